@@ -1,0 +1,10 @@
+pub mod blob;
+pub mod error;
+pub mod key;
+pub mod lock;
+pub mod pyjson;
+pub use error::{Error, Result};
+pub mod shard;
+pub mod cache;
+pub mod sealed;
+pub mod view;

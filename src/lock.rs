@@ -1,0 +1,387 @@
+//! Locked tensors: format-preserving shifts of value codes by a per-tensor key stream.
+//!
+//! Every value is read as an unsigned code below `span` and shifted modulo `span`; the
+//! shift (offset) of value `j` comes from position `j` of the tensor's own key stream,
+//! AES-256-CTR for lock v1 and ChaCha20 for lock v2. Both seek to any block, so any range of
+//! a tensor decodes on its own.
+
+use aes::cipher::{KeyIvInit, StreamCipher, StreamCipherSeek};
+use safetensors::Dtype;
+
+use crate::key::{ModelKey, Secret};
+
+type Aes256Ctr = ctr::Ctr128BE<aes::Aes256>;
+
+/// Codes processed per batch: the offsets of a batch fit in L1/L2.
+const BATCH: usize = 4096;
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Version {
+    V1,
+    V2,
+}
+
+impl Version {
+    pub fn parse(s: &str) -> Option<Version> {
+        match s {
+            "v1" => Some(Version::V1),
+            "v2" => Some(Version::V2),
+            _ => None,
+        }
+    }
+
+    pub fn label(self) -> &'static str {
+        match self {
+            Version::V1 => "v1",
+            Version::V2 => "v2",
+        }
+    }
+}
+
+/// How the codes of a tensor are read.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Codec {
+    /// Sign-magnitude floats: `code = mag + sign * m`, `span = 2m`.
+    Float { bits: u32, mantissa: u32, top: u64 },
+    /// F8_E8M0 scales: the byte is the code, `span = m`.
+    E8m0,
+    /// Non-negative integer tables (I16, I32, I64): the value is the code, `span = m`.
+    Index { bytes: usize },
+    /// Two FP4 (E2M1) codes per byte, low nibble first, each a 4-bit float code.
+    Fp4x2,
+}
+
+const FP4: (u32, u32, u64) = (4, 1, 7);
+
+impl Codec {
+    /// The codec of a v1 entry, or of a v2 `float` entry.
+    pub fn float(dtype: Dtype) -> Option<Codec> {
+        let (bits, mantissa, top) = match dtype {
+            Dtype::BF16 => (16, 7, 0x7F7F),
+            Dtype::F16 => (16, 10, 0x7BFF),
+            Dtype::F32 => (32, 23, 0x7F7F_FFFF),
+            Dtype::F8_E4M3 => (8, 3, 0x7E),
+            Dtype::F8_E5M2 => (8, 2, 0x7B),
+            _ => return None,
+        };
+        Some(Codec::Float { bits, mantissa, top })
+    }
+
+    /// The codec a v2 entry names, if it can apply to `dtype`.
+    pub fn v2(format: &str, dtype: Dtype) -> Option<Codec> {
+        match (format, dtype) {
+            ("float", d) => Codec::float(d),
+            ("e8m0", Dtype::F8_E8M0) => Some(Codec::E8m0),
+            ("index", Dtype::I16) => Some(Codec::Index { bytes: 2 }),
+            ("index", Dtype::I32) => Some(Codec::Index { bytes: 4 }),
+            ("index", Dtype::I64) => Some(Codec::Index { bytes: 8 }),
+            ("e2m1x2", Dtype::I8 | Dtype::U8) => Some(Codec::Fp4x2),
+            _ => None,
+        }
+    }
+
+    /// Bytes of one unit: a value, or a byte of two FP4 codes.
+    pub fn unit_bytes(self) -> usize {
+        match self {
+            Codec::Float { bits, .. } => bits as usize / 8,
+            Codec::E8m0 | Codec::Fp4x2 => 1,
+            Codec::Index { bytes } => bytes,
+        }
+    }
+
+    fn codes_per_unit(self) -> u64 {
+        if self == Codec::Fp4x2 {
+            2
+        } else {
+            1
+        }
+    }
+
+    fn signed(self) -> bool {
+        matches!(self, Codec::Float { .. } | Codec::Fp4x2)
+    }
+
+    /// Whether `m` is a domain this codec can have: for floats, every code up to some
+    /// binary exponent (`m` a multiple of `2^mantissa`) or all finite codes.
+    pub fn valid_domain(self, m: u64) -> bool {
+        let float_ok = |mantissa: u32, top: u64| {
+            let unit = 1u64 << mantissa;
+            m >= unit && m <= top + 1 && (m % unit == 0 || m == top + 1)
+        };
+        match self {
+            Codec::Float { mantissa, top, .. } => float_ok(mantissa, top),
+            Codec::Fp4x2 => float_ok(FP4.1, FP4.2),
+            Codec::E8m0 => (1..=255).contains(&m),
+            Codec::Index { bytes } => m >= 1 && m <= (1u64 << 31).min(1u64 << (bytes * 8 - 1)),
+        }
+    }
+
+    /// The domain kLLM records for plain data (the test sealer's side).
+    pub fn domain_of(self, plain: &[u8]) -> Option<u64> {
+        let float = |largest: u64, mantissa: u32, top: u64| {
+            (largest <= top).then(|| (((largest >> mantissa) + 1) << mantissa).min(top + 1))
+        };
+        match self {
+            Codec::Float { bits, mantissa, top } => {
+                let largest = units(plain, bits as usize / 8)
+                    .map(|c| c & ((1u64 << (bits - 1)) - 1))
+                    .max()
+                    .unwrap_or(0);
+                float(largest, mantissa, top)
+            }
+            Codec::Fp4x2 => {
+                let largest = plain.iter().flat_map(|b| [b & 7, (b >> 4) & 7]).max().unwrap_or(0);
+                float(largest as u64, FP4.1, FP4.2)
+            }
+            Codec::E8m0 => {
+                let largest = *plain.iter().max().unwrap_or(&0);
+                (largest != 0xFF).then_some(largest as u64 + 1)
+            }
+            Codec::Index { bytes } => {
+                let mut largest = 0i64;
+                for c in units(plain, bytes) {
+                    let v = sign_extend(c, bytes);
+                    if !(0..1 << 31).contains(&v) {
+                        return None;
+                    }
+                    largest = largest.max(v);
+                }
+                Some(largest as u64 + 1)
+            }
+        }
+    }
+}
+
+fn units(data: &[u8], width: usize) -> impl Iterator<Item = u64> + '_ {
+    data.chunks_exact(width).map(move |c| {
+        let mut b = [0u8; 8];
+        b[..width].copy_from_slice(c);
+        u64::from_le_bytes(b)
+    })
+}
+
+fn sign_extend(raw: u64, bytes: usize) -> i64 {
+    let shift = 64 - 8 * bytes as u32;
+    ((raw << shift) as i64) >> shift
+}
+
+/// A value outside the locked domain: the data is not what was locked.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct OutOfDomain {
+    /// Index of the offending unit from the start of the tensor.
+    pub unit: u64,
+}
+
+/// Everything needed to lock or unlock any range of one tensor.
+#[derive(Debug, Clone)]
+pub struct TensorLock {
+    pub version: Version,
+    pub codec: Codec,
+    pub m: u64,
+    span: u64,
+    /// v1 F32 and v2 spans above 2^31 take 64 bits of stream per code.
+    wide: bool,
+    stream_key: Secret,
+}
+
+/// The id a tensor's key stream is derived from: its name, scoped by the shard's directory.
+pub fn tensor_id(shard_dir: &str, name: &str) -> String {
+    if shard_dir.is_empty() {
+        name.to_string()
+    } else {
+        format!("{shard_dir}/{name}")
+    }
+}
+
+impl TensorLock {
+    /// `m` must already satisfy `codec.valid_domain(m)`.
+    pub fn new(key: &ModelKey, version: Version, codec: Codec, m: u64, tensor_id: &str) -> TensorLock {
+        debug_assert!(codec.valid_domain(m));
+        let span = if codec.signed() { 2 * m } else { m };
+        let wide = match version {
+            Version::V1 => matches!(codec, Codec::Float { bits: 32, .. }),
+            Version::V2 => span > 1 << 31,
+        };
+        let stream_key = key.derive(&format!("lock/{}/{tensor_id}", version.label()));
+        TensorLock {
+            version,
+            codec,
+            m,
+            span,
+            wide,
+            stream_key,
+        }
+    }
+
+    /// Offsets in `[0, span)` of codes `[first, first + out.len())`.
+    fn offsets(&self, first: u64, out: &mut [u64], stream: &mut Vec<u8>) {
+        let width = if self.wide { 8 } else { 4 };
+        let n = out.len();
+        stream.clear();
+        stream.resize(n * width, 0);
+        let pos = first * width as u64;
+        match self.version {
+            Version::V1 => {
+                let mut c = Aes256Ctr::new(self.stream_key.bytes().into(), &[0u8; 16].into());
+                c.seek(pos);
+                c.apply_keystream(stream);
+            }
+            Version::V2 => {
+                let mut c = chacha20::ChaCha20::new(self.stream_key.bytes().into(), &[0u8; 12].into());
+                c.seek(pos);
+                c.apply_keystream(stream);
+            }
+        }
+        let span = self.span;
+        if self.wide {
+            for (o, w) in out.iter_mut().zip(stream.chunks_exact(8)) {
+                let v = u64::from_le_bytes(w.try_into().expect("8 bytes"));
+                *o = (v & 0x7FFF_FFFF_FFFF_FFFF) % span;
+            }
+        } else {
+            for (o, w) in out.iter_mut().zip(stream.chunks_exact(4)) {
+                let v = u32::from_le_bytes(w.try_into().expect("4 bytes")) as u64;
+                *o = (v * span) >> 32;
+            }
+        }
+    }
+
+    /// Unlock whole units in place: `buf` holds units `[first_unit, ...)` of the tensor.
+    pub fn decode(&self, first_unit: u64, buf: &mut [u8]) -> Result<(), OutOfDomain> {
+        self.shift(first_unit, buf, false)
+    }
+
+    /// Lock whole units in place (the test sealer's side).
+    pub fn encode(&self, first_unit: u64, buf: &mut [u8]) -> Result<(), OutOfDomain> {
+        self.shift(first_unit, buf, true)
+    }
+
+    /// The largest tensor a stream can cover: ChaCha20's 32-bit block counter (256 GiB of
+    /// stream); AES-CTR's 128-bit counter has no practical limit.
+    pub fn max_units(&self) -> u64 {
+        let per_code = if self.wide { 8 } else { 4 };
+        match self.version {
+            Version::V1 => u64::MAX / 16,
+            Version::V2 => (64u64 << 32) / per_code / self.codec.codes_per_unit(),
+        }
+    }
+
+    fn shift(&self, first_unit: u64, buf: &mut [u8], lock: bool) -> Result<(), OutOfDomain> {
+        let ub = self.codec.unit_bytes();
+        assert_eq!(buf.len() % ub, 0, "whole units only");
+        let (m, span) = (self.m, self.span);
+        let apply = |idx: u64, off: u64| -> u64 {
+            if lock {
+                let v = idx + off;
+                if v >= span {
+                    v - span
+                } else {
+                    v
+                }
+            } else if idx >= off {
+                idx - off
+            } else {
+                idx + span - off
+            }
+        };
+        let cpu = self.codec.codes_per_unit() as usize;
+        let units_per_batch = BATCH / cpu;
+        let mut offs = vec![0u64; BATCH];
+        let mut stream = Vec::with_capacity(BATCH * 8);
+        for (b, part) in buf.chunks_mut(units_per_batch * ub).enumerate() {
+            let unit0 = first_unit + (b * units_per_batch) as u64;
+            let n_units = part.len() / ub;
+            let offs = &mut offs[..n_units * cpu];
+            self.offsets(unit0 * cpu as u64, offs, &mut stream);
+            let bad = |i: usize| OutOfDomain { unit: unit0 + i as u64 };
+            match self.codec {
+                Codec::Float { bits, .. } => {
+                    let sign_bit = 1u64 << (bits - 1);
+                    for (i, (v, &off)) in part.chunks_exact_mut(ub).zip(offs.iter()).enumerate() {
+                        let mut raw = [0u8; 8];
+                        raw[..ub].copy_from_slice(v);
+                        let code = u64::from_le_bytes(raw);
+                        let mag = code & (sign_bit - 1);
+                        if mag >= m {
+                            return Err(bad(i));
+                        }
+                        let idx = apply(mag + (code >> (bits - 1)) * m, off);
+                        let res = if idx >= m { (idx - m) | sign_bit } else { idx };
+                        v.copy_from_slice(&res.to_le_bytes()[..ub]);
+                    }
+                }
+                Codec::Fp4x2 => {
+                    for (i, (v, off)) in part.iter_mut().zip(offs.chunks_exact(2)).enumerate() {
+                        let src = *v;
+                        let mut res = 0u8;
+                        for (k, &o) in off.iter().enumerate() {
+                            let code = ((src >> (4 * k)) & 0xF) as u64;
+                            let mag = code & 7;
+                            if mag >= m {
+                                return Err(bad(i));
+                            }
+                            let idx = apply(mag + (code >> 3) * m, o);
+                            let nib = if idx >= m { (idx - m) | 8 } else { idx };
+                            res |= (nib as u8) << (4 * k);
+                        }
+                        *v = res;
+                    }
+                }
+                Codec::E8m0 => {
+                    for (i, (v, &off)) in part.iter_mut().zip(offs.iter()).enumerate() {
+                        if *v as u64 >= m {
+                            return Err(bad(i));
+                        }
+                        *v = apply(*v as u64, off) as u8;
+                    }
+                }
+                Codec::Index { bytes } => {
+                    for (i, (v, &off)) in part.chunks_exact_mut(ub).zip(offs.iter()).enumerate() {
+                        let mut raw = [0u8; 8];
+                        raw[..ub].copy_from_slice(v);
+                        let x = sign_extend(u64::from_le_bytes(raw), bytes);
+                        if x < 0 || x as u64 >= m {
+                            return Err(bad(i));
+                        }
+                        let res = apply(x as u64, off);
+                        v.copy_from_slice(&res.to_le_bytes()[..ub]);
+                    }
+                }
+            }
+        }
+        Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn domains() {
+        let bf16 = Codec::float(Dtype::BF16).unwrap();
+        assert!(bf16.valid_domain(128));
+        assert!(bf16.valid_domain(0x7F80));
+        assert!(!bf16.valid_domain(0x7F81));
+        assert!(!bf16.valid_domain(100));
+        assert!(!bf16.valid_domain(0));
+        let e4m3 = Codec::float(Dtype::F8_E4M3).unwrap();
+        assert!(e4m3.valid_domain(0x7F));
+        assert!(!e4m3.valid_domain(0x80));
+        assert!(Codec::Fp4x2.valid_domain(8));
+        assert!(!Codec::Fp4x2.valid_domain(3));
+        assert!(Codec::E8m0.valid_domain(255));
+        assert!(!Codec::E8m0.valid_domain(256));
+        assert!(!Codec::Index { bytes: 2 }.valid_domain(40000));
+        assert!(Codec::v2("index", Dtype::F32).is_none());
+        assert!(Codec::v2("e2m1x2", Dtype::U8).is_some());
+    }
+
+    #[test]
+    fn bf16_domain_as_kllm() {
+        // 1.0 in BF16 is 0x3F80: exponent field 0x7F, so m = (0x3F80 >> 7 + 1) << 7 = 0x4000.
+        let c = Codec::float(Dtype::BF16).unwrap();
+        assert_eq!(c.domain_of(&[0x80, 0x3F, 0x80, 0xBF]), Some(0x4000));
+        assert_eq!(c.domain_of(&[0x80, 0x7F]), None); // inf
+    }
+}

@@ -1,0 +1,386 @@
+//! Recognize a sealed directory and build its unlocked view.
+
+use std::collections::{BTreeMap, HashSet};
+use std::ffi::OsString;
+use std::fs::{self, File, Metadata};
+use std::os::unix::fs::MetadataExt;
+use std::path::{Path, PathBuf};
+use std::time::{Duration, UNIX_EPOCH};
+
+use serde_json::Value;
+use zeroize::Zeroizing;
+
+use crate::blob;
+use crate::cache::BlockCache;
+use crate::key::{ModelKey, SHIPPED_KEY};
+use crate::lock::Version;
+use crate::pyjson;
+use crate::shard::{Shard, LOCK_META};
+use crate::view::{Attr, Content, Ino, Kind, Node, View, ROOT};
+use crate::{Error, Result};
+
+/// Pipelines keep their seal metadata here; LLMs in the `kllm` object of `config.json`.
+pub const PIPELINE_META: &str = "kllm.json";
+pub const LLM_META: &str = "config.json";
+/// Component folders that stay with the user in client mode and are never locked.
+const UNLOCKED_DIRS: [&str; 3] = ["tokenizer", "processor", "vae"];
+
+/// The seal metadata of a directory.
+#[derive(Debug, Clone)]
+pub struct Seal {
+    pub root: PathBuf,
+    /// `kllm.json` or `config.json`.
+    pub meta_file: PathBuf,
+    pub pipeline: bool,
+    pub scheme: String,
+    pub fingerprint: String,
+    pub lock: Option<Version>,
+}
+
+fn read_json_object(path: &Path) -> Result<(String, serde_json::Map<String, Value>)> {
+    let text = fs::read_to_string(path).map_err(|e| Error::at(path, format!("cannot read ({e})")))?;
+    match serde_json::from_str(&text) {
+        Ok(Value::Object(m)) => Ok((text, m)),
+        Ok(_) => Err(Error::at(path, "is not a JSON object")),
+        Err(e) => Err(Error::at(path, format!("is not valid JSON ({e})"))),
+    }
+}
+
+impl Seal {
+    /// Read the seal metadata of `root`, refusing what this mount cannot serve.
+    pub fn read(root: &Path) -> Result<Seal> {
+        if !root.is_dir() {
+            return Err(Error::at(root, "is not a directory"));
+        }
+        let pipeline_meta = root.join(PIPELINE_META);
+        let llm_meta = root.join(LLM_META);
+        let (meta_file, pipeline, meta) = if pipeline_meta.is_file() {
+            let (_, doc) = read_json_object(&pipeline_meta)?;
+            (pipeline_meta, true, doc)
+        } else if llm_meta.is_file() {
+            let (_, doc) = read_json_object(&llm_meta)?;
+            match doc.get("kllm") {
+                Some(Value::Object(k)) => (llm_meta, false, k.clone()),
+                _ => {
+                    return Err(Error::at(
+                        root,
+                        "is not a sealed kLLM directory: config.json has no \"kllm\" seal metadata and there is no kllm.json",
+                    ))
+                }
+            }
+        } else {
+            return Err(Error::at(
+                root,
+                "is not a sealed kLLM directory: no kllm.json and no config.json with \"kllm\" seal metadata",
+            ));
+        };
+        let text_field = |name: &str| -> Result<String> {
+            meta.get(name)
+                .and_then(Value::as_str)
+                .map(str::to_string)
+                .ok_or_else(|| Error::at(&meta_file, format!("seal metadata has no \"{name}\"")))
+        };
+        let scheme = text_field("scheme")?;
+        match scheme.as_str() {
+            "l1" | "client" => {}
+            "d1-v1" => {
+                return Err(Error::at(
+                    &meta_file,
+                    "scheme d1-v1 keeps trusted tensors outside the weights and is served only by `kllm demo`; kllm-mount cannot show it",
+                ))
+            }
+            other => return Err(Error::at(&meta_file, format!("unknown seal scheme {other:?} (kllm-mount reads l1 and client)"))),
+        }
+        let fingerprint = text_field("fingerprint")?;
+        let lock = match meta.get("lock") {
+            None | Some(Value::Null) => None,
+            Some(Value::String(v)) => Some(Version::parse(v).ok_or_else(|| {
+                Error::at(&meta_file, format!("lock version {v} is not supported (this kllm-mount reads v1 and v2)"))
+            })?),
+            Some(other) => {
+                return Err(Error::at(&meta_file, format!("lock version {other} is not supported (this kllm-mount reads v1 and v2)")))
+            }
+        };
+        Ok(Seal {
+            root: root.to_path_buf(),
+            meta_file,
+            pipeline,
+            scheme,
+            fingerprint,
+            lock,
+        })
+    }
+
+    /// Refuse a key of another fingerprint, before anything is decrypted.
+    pub fn check_key(&self, key: &ModelKey, source: &dyn std::fmt::Display) -> Result<()> {
+        let ours = key.fingerprint();
+        if ours != self.fingerprint {
+            return Err(Error::at(
+                &self.meta_file,
+                format!(
+                    "sealed under key fingerprint {}, but the key from {source} has fingerprint {ours}",
+                    self.fingerprint
+                ),
+            ));
+        }
+        Ok(())
+    }
+
+    /// The metadata file as the view shows it: the same text without the lock member.
+    pub fn unlocked_meta_text(&self) -> Result<Option<String>> {
+        if self.lock.is_none() {
+            return Ok(None);
+        }
+        let text = fs::read_to_string(&self.meta_file).map_err(|e| Error::at(&self.meta_file, format!("cannot read ({e})")))?;
+        let within = if self.pipeline { None } else { Some("kllm") };
+        pyjson::without_member(&text, within, "lock")
+            .map(Some)
+            .ok_or_else(|| Error::at(&self.meta_file, "cannot remove the lock flag (not a JSON object)"))
+    }
+}
+
+/// Whether a shard at `rel` may be locked: kLLM locks safetensors outside the user-side
+/// component folders and any `.cache`.
+pub fn is_lockable(rel: &Path) -> bool {
+    let parts: Vec<&str> = rel.iter().filter_map(|p| p.to_str()).collect();
+    rel.extension().is_some_and(|e| e == "safetensors")
+        && parts.first().is_some_and(|p| !UNLOCKED_DIRS.contains(p))
+        && !parts.contains(&".cache")
+}
+
+fn attr_of(meta: &Metadata, kind: Kind, size: u64) -> Attr {
+    let t = |secs: i64, nsecs: i64| {
+        if secs >= 0 {
+            UNIX_EPOCH + Duration::new(secs as u64, nsecs as u32)
+        } else {
+            UNIX_EPOCH
+        }
+    };
+    Attr {
+        kind,
+        size,
+        perm: (meta.mode() & 0o7777) as u16,
+        uid: meta.uid(),
+        gid: meta.gid(),
+        atime: t(meta.atime(), meta.atime_nsec()),
+        mtime: t(meta.mtime(), meta.mtime_nsec()),
+        ctime: t(meta.ctime(), meta.ctime_nsec()),
+    }
+}
+
+/// Nodes under construction: children kept by name until the tree is frozen.
+struct Builder {
+    nodes: Vec<Node>,
+    children: Vec<BTreeMap<OsString, Ino>>,
+}
+
+impl Builder {
+    fn add(&mut self, parent: Ino, name: OsString, attr: Attr, content: Content) -> Ino {
+        let ino = self.nodes.len() as Ino + 1;
+        if attr.kind == Kind::Dir {
+            self.children.resize_with(self.nodes.len() + 1, BTreeMap::new);
+        }
+        self.nodes.push(Node {
+            parent,
+            name: name.clone(),
+            attr,
+            content,
+        });
+        self.children.resize_with(self.nodes.len(), BTreeMap::new);
+        if ino != ROOT {
+            self.children[parent as usize - 1].insert(name, ino);
+        }
+        ino
+    }
+
+    fn finish(mut self, cache: BlockCache) -> View {
+        for (i, kids) in self.children.into_iter().enumerate() {
+            if let Content::Dir(entries) = &mut self.nodes[i].content {
+                *entries = kids.into_iter().collect();
+            }
+        }
+        View::new(self.nodes, cache)
+    }
+}
+
+/// Everything a mount needs to know, fixed at mount time.
+pub struct Options {
+    pub cache_bytes: u64,
+    pub block_size: u64,
+}
+
+impl Default for Options {
+    fn default() -> Self {
+        Options {
+            cache_bytes: 256 << 20,
+            block_size: 1 << 20,
+        }
+    }
+}
+
+/// Build the view of a sealed directory. Reads the seal metadata, every lockable shard's
+/// header and `trusted.kllm`; tensor data is left for reads.
+pub fn build(seal: &Seal, key: &ModelKey, opts: &Options) -> Result<View> {
+    let root = &seal.root;
+    let canon_root = fs::canonicalize(root).map_err(|e| Error::at(root, format!("cannot resolve ({e})")))?;
+    let root_meta = fs::metadata(root).map_err(|e| Error::at(root, format!("cannot stat ({e})")))?;
+    let mut b = Builder {
+        nodes: Vec::new(),
+        children: Vec::new(),
+    };
+    b.add(ROOT, OsString::new(), attr_of(&root_meta, Kind::Dir, 0), Content::Dir(Vec::new()));
+    let mut visited = HashSet::new();
+    visited.insert(canon_root.clone());
+    walk(seal, key, &canon_root, root, Path::new(""), ROOT, &mut b, &mut visited)?;
+
+    // The metadata file without its lock flag.
+    if let Some(text) = seal.unlocked_meta_text()? {
+        let name = seal.meta_file.file_name().expect("a file name").to_os_string();
+        let ino = b.children[0][&name];
+        let node = &mut b.nodes[ino as usize - 1];
+        node.attr.size = text.len() as u64;
+        node.content = Content::Memory(Zeroizing::new(text.into_bytes()));
+    }
+
+    // The secret files of trusted.kllm, at their paths.
+    let blob_path = root.join(blob::FILE_NAME);
+    if blob_path.is_file() {
+        let blob_meta = fs::metadata(&blob_path).map_err(|e| Error::at(&blob_path, format!("cannot stat ({e})")))?;
+        let files = blob::read(&blob_path, key)?;
+        for (rel, data) in files {
+            add_secret_file(&mut b, &blob_path, &blob_meta, &rel, data)?;
+        }
+    }
+    Ok(b.finish(BlockCache::new(opts.cache_bytes, opts.block_size)))
+}
+
+fn add_secret_file(b: &mut Builder, blob_path: &Path, blob_meta: &Metadata, rel: &str, data: Zeroizing<Vec<u8>>) -> Result<()> {
+    let parts: Vec<&str> = rel.split('/').collect();
+    let mut dir = ROOT;
+    for part in &parts[..parts.len() - 1] {
+        let name = OsString::from(part);
+        dir = match b.children[dir as usize - 1].get(&name) {
+            Some(&ino) if b.nodes[ino as usize - 1].attr.kind == Kind::Dir => ino,
+            Some(_) => return Err(Error::at(blob_path, format!("secret file {rel:?} lies under a file of the same name"))),
+            None => {
+                let mut attr = attr_of(blob_meta, Kind::Dir, 0);
+                attr.perm = 0o755;
+                b.add(dir, name, attr, Content::Dir(Vec::new()))
+            }
+        };
+    }
+    let name = OsString::from(parts[parts.len() - 1]);
+    let attr = attr_of(blob_meta, Kind::File, data.len() as u64);
+    match b.children[dir as usize - 1].get(&name) {
+        Some(&ino) if b.nodes[ino as usize - 1].attr.kind == Kind::Dir => {
+            Err(Error::at(blob_path, format!("secret file {rel:?} has the name of a directory")))
+        }
+        Some(&ino) => {
+            log::warn!("{}: secret file {rel} replaces the file of the same name", blob_path.display());
+            let node = &mut b.nodes[ino as usize - 1];
+            node.attr = attr;
+            node.content = Content::Memory(data);
+            Ok(())
+        }
+        None => {
+            b.add(dir, name, attr, Content::Memory(data));
+            Ok(())
+        }
+    }
+}
+
+/// Hidden from the view: the encrypted blob and a key shipped beside the weights.
+fn hidden(rel: &Path) -> bool {
+    rel.parent() == Some(Path::new("")) && rel.file_name().is_some_and(|n| n == blob::FILE_NAME || n == SHIPPED_KEY)
+}
+
+#[allow(clippy::too_many_arguments)]
+fn walk(
+    seal: &Seal,
+    key: &ModelKey,
+    canon_root: &Path,
+    dir: &Path,
+    rel_dir: &Path,
+    dir_ino: Ino,
+    b: &mut Builder,
+    visited: &mut HashSet<PathBuf>,
+) -> Result<()> {
+    let mut entries: Vec<_> = fs::read_dir(dir)
+        .map_err(|e| Error::at(dir, format!("cannot list ({e})")))?
+        .collect::<std::io::Result<_>>()
+        .map_err(|e| Error::at(dir, format!("cannot list ({e})")))?;
+    entries.sort_by_key(|e| e.file_name());
+    for entry in entries {
+        let name = entry.file_name();
+        let path = entry.path();
+        let rel = rel_dir.join(&name);
+        if hidden(&rel) {
+            continue;
+        }
+        let lmeta = fs::symlink_metadata(&path).map_err(|e| Error::at(&path, format!("cannot stat ({e})")))?;
+        let (real, meta) = if lmeta.file_type().is_symlink() {
+            // A link is followed only when it stays inside the sealed directory.
+            match fs::canonicalize(&path) {
+                Ok(target) if target.starts_with(canon_root) => {
+                    let m = fs::metadata(&target).map_err(|e| Error::at(&path, format!("cannot stat link target ({e})")))?;
+                    (target, m)
+                }
+                Ok(target) => {
+                    log::warn!("{}: symbolic link to {} leaves the sealed directory; not shown", path.display(), target.display());
+                    continue;
+                }
+                Err(e) => {
+                    log::warn!("{}: dangling symbolic link ({e}); not shown", path.display());
+                    continue;
+                }
+            }
+        } else {
+            (path.clone(), lmeta)
+        };
+        if meta.is_dir() {
+            let canon = fs::canonicalize(&real).map_err(|e| Error::at(&path, format!("cannot resolve ({e})")))?;
+            if !visited.insert(canon) {
+                log::warn!("{}: directory already shown (link loop); not shown again", path.display());
+                continue;
+            }
+            let ino = b.add(dir_ino, name, attr_of(&meta, Kind::Dir, 0), Content::Dir(Vec::new()));
+            walk(seal, key, canon_root, &real, &rel, ino, b, visited)?;
+        } else if meta.is_file() {
+            let content = file_content(seal, key, &real, &path, &rel)?;
+            b.add(dir_ino, name, attr_of(&meta, Kind::File, meta.len()), content);
+        } else {
+            log::warn!("{}: not a regular file or directory; not shown", path.display());
+        }
+    }
+    Ok(())
+}
+
+fn file_content(seal: &Seal, key: &ModelKey, real: &Path, shown: &Path, rel: &Path) -> Result<Content> {
+    if !is_lockable(rel) {
+        return Ok(Content::Plain {
+            path: real.to_path_buf(),
+            file: Default::default(),
+        });
+    }
+    let file = File::open(real).map_err(|e| Error::at(shown, format!("cannot open ({e})")))?;
+    let shard_dir = rel.parent().map(|p| p.to_string_lossy().into_owned()).unwrap_or_default();
+    let shard = Shard::open(shown, &file, &shard_dir, key)?;
+    if !shard.is_locked() {
+        return Ok(Content::Plain {
+            path: real.to_path_buf(),
+            file: std::sync::OnceLock::from(std::sync::Arc::new(file)),
+        });
+    }
+    if seal.lock.is_none() {
+        return Err(Error::at(
+            shown,
+            format!("carries {LOCK_META}, but {} has no lock flag; refusing to guess", seal.meta_file.display()),
+        ));
+    }
+    Ok(Content::Shard {
+        path: real.to_path_buf(),
+        file,
+        shard,
+    })
+}
+

@@ -1,0 +1,300 @@
+//! Safetensors shards: the header, the byte ranges of locked tensors, the unlocked header,
+//! and decoding any byte range of the file.
+
+use std::fmt;
+use std::io;
+use std::path::Path;
+
+use safetensors::tensor::Metadata;
+use safetensors::Dtype;
+use serde_json::Value;
+
+use crate::key::ModelKey;
+use crate::lock::{tensor_id, Codec, TensorLock, Version};
+use crate::{Error, Result};
+
+/// The metadata key a locked shard records its tensors' domains under.
+pub const LOCK_META: &str = "kllm.lock";
+/// safetensors' own limit on the header.
+pub const MAX_HEADER: u64 = 100_000_000;
+
+/// One locked tensor: where its bytes are in the file, and how to decode them.
+#[derive(Debug, Clone)]
+pub struct LockedTensor {
+    pub name: String,
+    pub dtype: Dtype,
+    /// Absolute file offsets of the tensor's bytes.
+    pub start: u64,
+    pub end: u64,
+    pub lock: TensorLock,
+}
+
+/// What the view needs of a shard: its size, its header as the view shows it, and its
+/// locked tensors sorted by offset.
+#[derive(Debug, Clone)]
+pub struct Shard {
+    pub file_len: u64,
+    /// `8 + header length`: where tensor data starts.
+    pub data_start: u64,
+    /// The first `data_start` bytes of the view: length prefix and header without
+    /// `kllm.lock`, padded with spaces to the original length.
+    pub view_header: Vec<u8>,
+    pub locked: Vec<LockedTensor>,
+}
+
+/// A read that cannot be served correctly.
+#[derive(Debug)]
+pub enum ReadError {
+    Io(io::Error),
+    /// A locked value outside its domain: the data on disk is not what was locked.
+    Corrupt { tensor: String, unit: u64 },
+}
+
+impl fmt::Display for ReadError {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            ReadError::Io(e) => write!(f, "read failed: {e}"),
+            ReadError::Corrupt { tensor, unit } => {
+                write!(f, "tensor {tensor}: value {unit} is outside its locked domain (corrupt or altered data)")
+            }
+        }
+    }
+}
+
+impl From<io::Error> for ReadError {
+    fn from(e: io::Error) -> Self {
+        ReadError::Io(e)
+    }
+}
+
+/// The parsed `kllm.lock` document: tensor name to (version, domain, codec name).
+fn lock_entries(path: &Path, text: &str) -> Result<Vec<(String, Version, u64, Option<String>)>> {
+    let bad = |msg: String| Error::at(path, format!("{LOCK_META}: {msg}"));
+    let doc: Value = serde_json::from_str(text).map_err(|e| bad(format!("not JSON ({e})")))?;
+    let Value::Object(doc) = doc else {
+        return Err(bad("not a JSON object".into()));
+    };
+    let mut out = Vec::new();
+    match doc.get("version") {
+        Some(Value::String(v)) if v == "v2" => {
+            let Some(Value::Object(tensors)) = doc.get("tensors") else {
+                return Err(bad("v2 document without a \"tensors\" object".into()));
+            };
+            for (name, entry) in tensors {
+                let pair = entry.as_array().filter(|a| a.len() == 2);
+                let (m, fmt) = match pair.map(|a| (a[0].as_u64(), a[1].as_str())) {
+                    Some((Some(m), Some(fmt))) => (m, fmt),
+                    _ => return Err(bad(format!("entry of {name:?} is not [domain, format]"))),
+                };
+                out.push((name.clone(), Version::V2, m, Some(fmt.to_string())));
+            }
+        }
+        Some(other) => {
+            let shown = other.as_str().map(str::to_string).unwrap_or_else(|| other.to_string());
+            return Err(bad(format!("unknown lock version {shown} (this kllm-mount reads v1 and v2)")));
+        }
+        None => {
+            for (name, entry) in &doc {
+                let m = entry
+                    .as_u64()
+                    .ok_or_else(|| bad(format!("v1 entry of {name:?} is not a domain size")))?;
+                out.push((name.clone(), Version::V1, m, None));
+            }
+        }
+    }
+    Ok(out)
+}
+
+fn read_exact_at(file: &std::fs::File, buf: &mut [u8], off: u64) -> io::Result<()> {
+    std::os::unix::fs::FileExt::read_exact_at(file, buf, off)
+}
+
+impl Shard {
+    /// Read and check a shard's header. `shard_dir` scopes tensor ids (the shard's folder
+    /// relative to the model root, `""` at the root). Tensors named in `kllm.lock` get their
+    /// key streams from `key`.
+    pub fn open(path: &Path, file: &std::fs::File, shard_dir: &str, key: &ModelKey) -> Result<Shard> {
+        let file_len = file
+            .metadata()
+            .map_err(|e| Error::at(path, format!("cannot stat ({e})")))?
+            .len();
+        let mut prefix = [0u8; 8];
+        if file_len < 8 {
+            return Err(Error::at(path, "safetensors header is malformed (file shorter than 8 bytes)"));
+        }
+        read_exact_at(file, &mut prefix, 0).map_err(|e| Error::at(path, format!("cannot read ({e})")))?;
+        let n = u64::from_le_bytes(prefix);
+        if n > MAX_HEADER {
+            return Err(Error::at(path, format!("safetensors header is oversized ({n} bytes, limit {MAX_HEADER})")));
+        }
+        if 8 + n > file_len {
+            return Err(Error::at(path, format!("safetensors header ({n} bytes) runs past the end of the file ({file_len} bytes)")));
+        }
+        let mut header = vec![0u8; n as usize];
+        read_exact_at(file, &mut header, 8).map_err(|e| Error::at(path, format!("cannot read ({e})")))?;
+        Shard::from_header(path, &header, file_len, shard_dir, key)
+    }
+
+    /// The part of [`Shard::open`] after the header bytes are read.
+    pub fn from_header(path: &Path, header: &[u8], file_len: u64, shard_dir: &str, key: &ModelKey) -> Result<Shard> {
+        let malformed = |why: String| Error::at(path, format!("safetensors header is malformed ({why})"));
+        let n = header.len() as u64;
+        let text = std::str::from_utf8(header).map_err(|_| malformed("not UTF-8".into()))?;
+        if !text.starts_with('{') {
+            return Err(malformed("does not start with '{'".into()));
+        }
+        let meta: Metadata = serde_json::from_str(text).map_err(|e| malformed(e.to_string()))?;
+        let data_start = 8 + n;
+        let data_len = meta.data_len() as u64;
+        if data_start + data_len > file_len {
+            return Err(Error::at(
+                path,
+                format!("tensor data runs past the end of the file (needs {} bytes, file has {file_len})", data_start + data_len),
+            ));
+        }
+        let mut doc: serde_json::Map<String, Value> = serde_json::from_str(text).map_err(|e| malformed(e.to_string()))?;
+        let lock_text = match doc.get_mut("__metadata__") {
+            Some(Value::Object(m)) => match m.shift_remove(LOCK_META) {
+                Some(Value::String(s)) => Some(s),
+                Some(_) => return Err(Error::at(path, format!("{LOCK_META} is not a string"))),
+                None => None,
+            },
+            _ => None,
+        };
+        let mut locked = Vec::new();
+        if let Some(lock_text) = &lock_text {
+            for (name, version, m, fmt) in lock_entries(path, lock_text)? {
+                let info = meta
+                    .info(&name)
+                    .ok_or_else(|| Error::at(path, format!("{LOCK_META} names tensor {name:?}, which the shard lacks")))?;
+                let codec = match (&fmt, version) {
+                    (Some(fmt), _) => Codec::v2(fmt, info.dtype).ok_or_else(|| {
+                        Error::at(path, format!("{LOCK_META}: tensor {name:?} is {:?}, which format {fmt:?} cannot hold", info.dtype))
+                    })?,
+                    (None, _) => Codec::float(info.dtype).ok_or_else(|| {
+                        Error::at(path, format!("{LOCK_META}: tensor {name:?} is {:?}, which lock v1 cannot hold", info.dtype))
+                    })?,
+                };
+                if !codec.valid_domain(m) {
+                    let fmt = fmt.as_deref().unwrap_or("float");
+                    return Err(Error::at(
+                        path,
+                        format!("{LOCK_META}: domain {m} of tensor {name:?} is impossible for {:?} in format {fmt}", info.dtype),
+                    ));
+                }
+                let lock = TensorLock::new(key, version, codec, m, &tensor_id(shard_dir, &name));
+                let (s, e) = info.data_offsets;
+                let units = (e - s) as u64 / codec.unit_bytes() as u64;
+                if units > lock.max_units() {
+                    return Err(Error::at(path, format!("tensor {name:?} is longer than one key stream covers")));
+                }
+                locked.push(LockedTensor {
+                    name,
+                    dtype: info.dtype,
+                    start: data_start + s as u64,
+                    end: data_start + e as u64,
+                    lock,
+                });
+            }
+        }
+        locked.sort_by_key(|t| t.start);
+        let mut view_header = Vec::with_capacity(data_start as usize);
+        view_header.extend_from_slice(&n.to_le_bytes());
+        if lock_text.is_some() {
+            let json = serde_json::to_vec(&doc).expect("a JSON map serializes");
+            if json.len() as u64 > n {
+                return Err(Error::at(path, "unlocked header would be longer than the original"));
+            }
+            view_header.extend_from_slice(&json);
+            view_header.resize(data_start as usize, b' ');
+        } else {
+            view_header.extend_from_slice(header);
+        }
+        Ok(Shard {
+            file_len,
+            data_start,
+            view_header,
+            locked,
+        })
+    }
+
+    pub fn is_locked(&self) -> bool {
+        !self.locked.is_empty()
+    }
+
+    /// View bytes `[off, off + out.len())` (the caller clamps to `file_len`). `raw` reads
+    /// sealed bytes at an offset; tensor bytes are read into `out` and decoded in place.
+    pub fn read(
+        &self,
+        off: u64,
+        out: &mut [u8],
+        raw: &dyn Fn(u64, &mut [u8]) -> io::Result<()>,
+    ) -> std::result::Result<(), ReadError> {
+        let end = off + out.len() as u64;
+        debug_assert!(end <= self.file_len);
+        let mut pos = off;
+        if pos < self.data_start {
+            let upto = end.min(self.data_start);
+            out[..(upto - off) as usize].copy_from_slice(&self.view_header[off as usize..upto as usize]);
+            pos = upto;
+        }
+        if pos >= end {
+            return Ok(());
+        }
+        raw(pos, &mut out[(pos - off) as usize..])?;
+        let first = self.locked.partition_point(|t| t.end <= pos);
+        for t in self.locked[first..].iter().take_while(|t| t.start < end) {
+            let a = t.start.max(pos);
+            let b = t.end.min(end);
+            decode_range(t, a, b, &mut out[(a - off) as usize..(b - off) as usize], raw)?;
+        }
+        Ok(())
+    }
+}
+
+/// Decode `buf`, which holds the sealed bytes `[a, b)` of tensor `t`. Whole units are
+/// decoded in place; a unit cut by either end is read whole and decoded on the side.
+fn decode_range(
+    t: &LockedTensor,
+    a: u64,
+    b: u64,
+    buf: &mut [u8],
+    raw: &dyn Fn(u64, &mut [u8]) -> io::Result<()>,
+) -> std::result::Result<(), ReadError> {
+    let ub = t.lock.codec.unit_bytes() as u64;
+    let corrupt = |e: crate::lock::OutOfDomain| ReadError::Corrupt {
+        tensor: t.name.clone(),
+        unit: e.unit,
+    };
+    let rel_a = a - t.start;
+    let rel_b = b - t.start;
+    let first_whole = rel_a.div_ceil(ub);
+    let last_whole = rel_b / ub;
+    let partial = |unit: u64, buf: &mut [u8]| -> std::result::Result<(), ReadError> {
+        let mut tmp = [0u8; 8];
+        let tmp = &mut tmp[..ub as usize];
+        raw(t.start + unit * ub, tmp)?;
+        t.lock.decode(unit, tmp).map_err(corrupt)?;
+        let u0 = unit * ub;
+        let lo = rel_a.max(u0);
+        let hi = rel_b.min(u0 + ub);
+        buf[(lo - rel_a) as usize..(hi - rel_a) as usize].copy_from_slice(&tmp[(lo - u0) as usize..(hi - u0) as usize]);
+        Ok(())
+    };
+    if first_whole > last_whole {
+        // The whole range lies inside one unit.
+        return partial(rel_a / ub, buf);
+    }
+    if rel_a % ub != 0 {
+        partial(rel_a / ub, buf)?;
+    }
+    if first_whole < last_whole {
+        let lo = (first_whole * ub - rel_a) as usize;
+        let hi = (last_whole * ub - rel_a) as usize;
+        t.lock.decode(first_whole, &mut buf[lo..hi]).map_err(corrupt)?;
+    }
+    if rel_b % ub != 0 {
+        partial(last_whole, buf)?;
+    }
+    Ok(())
+}

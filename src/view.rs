@@ -1,0 +1,199 @@
+//! The unlocked view: an immutable tree of nodes built at mount time, and reads of any
+//! byte range of any file. Nothing here knows about the kernel.
+
+use std::ffi::{OsStr, OsString};
+use std::fs::File;
+use std::os::unix::fs::FileExt;
+use std::path::PathBuf;
+use std::sync::{Arc, OnceLock};
+use std::time::SystemTime;
+
+use zeroize::Zeroizing;
+
+use crate::cache::BlockCache;
+use crate::shard::{ReadError, Shard};
+
+pub type Ino = u64;
+pub const ROOT: Ino = 1;
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Kind {
+    Dir,
+    File,
+}
+
+/// What `stat` shows of a node.
+#[derive(Debug, Clone, Copy)]
+pub struct Attr {
+    pub kind: Kind,
+    pub size: u64,
+    /// Permission bits only.
+    pub perm: u16,
+    pub uid: u32,
+    pub gid: u32,
+    pub atime: SystemTime,
+    pub mtime: SystemTime,
+    pub ctime: SystemTime,
+}
+
+pub enum Content {
+    Dir(Vec<(OsString, Ino)>),
+    /// A file shown as it is on disk, opened on first read.
+    Plain { path: PathBuf, file: OnceLock<Arc<File>> },
+    /// Bytes that exist only in memory: secret files and the metadata file without its
+    /// lock flag.
+    Memory(Zeroizing<Vec<u8>>),
+    /// A locked shard, decoded on read.
+    Shard { path: PathBuf, file: File, shard: Shard },
+}
+
+pub struct Node {
+    pub parent: Ino,
+    pub name: OsString,
+    pub attr: Attr,
+    pub content: Content,
+}
+
+/// The whole view: nodes indexed by inode number (`ino - 1`).
+pub struct View {
+    nodes: Vec<Node>,
+    cache: BlockCache,
+}
+
+impl View {
+    /// `nodes[0]` must be the root directory.
+    pub fn new(nodes: Vec<Node>, cache: BlockCache) -> View {
+        View { nodes, cache }
+    }
+
+    pub fn node(&self, ino: Ino) -> Option<&Node> {
+        self.nodes.get(ino.checked_sub(1)? as usize)
+    }
+
+    pub fn len(&self) -> usize {
+        self.nodes.len()
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.nodes.is_empty()
+    }
+
+    pub fn cache(&self) -> &BlockCache {
+        &self.cache
+    }
+
+    pub fn children(&self, ino: Ino) -> Option<&[(OsString, Ino)]> {
+        match &self.node(ino)?.content {
+            Content::Dir(entries) => Some(entries),
+            _ => None,
+        }
+    }
+
+    pub fn lookup(&self, parent: Ino, name: &OsStr) -> Option<Ino> {
+        let entries = self.children(parent)?;
+        entries
+            .binary_search_by(|(n, _)| n.as_os_str().cmp(name))
+            .ok()
+            .map(|i| entries[i].1)
+    }
+
+    /// The inode of a path relative to the root (`a/b/c`, `""` for the root).
+    pub fn resolve(&self, path: &str) -> Option<Ino> {
+        path.split('/')
+            .filter(|p| !p.is_empty())
+            .try_fold(ROOT, |ino, part| self.lookup(ino, OsStr::new(part)))
+    }
+
+    /// Every file's path, for tests and tools.
+    pub fn file_paths(&self) -> Vec<(String, Ino)> {
+        let mut out = Vec::new();
+        let mut stack = vec![(String::new(), ROOT)];
+        while let Some((prefix, ino)) = stack.pop() {
+            for (name, child) in self.children(ino).unwrap_or(&[]) {
+                let path = format!("{prefix}{}", name.to_string_lossy());
+                match self.nodes[*child as usize - 1].attr.kind {
+                    Kind::Dir => stack.push((format!("{path}/"), *child)),
+                    Kind::File => out.push((path, *child)),
+                }
+            }
+        }
+        out.sort();
+        out
+    }
+
+    /// The path of a node, for log lines.
+    pub fn path_of(&self, ino: Ino) -> String {
+        let mut parts = Vec::new();
+        let mut cur = ino;
+        while cur != ROOT {
+            let Some(n) = self.node(cur) else { break };
+            parts.push(n.name.to_string_lossy().into_owned());
+            cur = n.parent;
+        }
+        parts.reverse();
+        parts.join("/")
+    }
+
+    /// Bytes `[off, off + size)` of a file, cut at its end.
+    pub fn read(&self, ino: Ino, off: u64, size: usize) -> Result<Vec<u8>, ReadError> {
+        let node = self
+            .node(ino)
+            .ok_or_else(|| ReadError::Io(std::io::Error::from_raw_os_error(libc::ENOENT)))?;
+        let len = node.attr.size.saturating_sub(off).min(size as u64) as usize;
+        let mut out = vec![0u8; len];
+        if len == 0 {
+            return Ok(out);
+        }
+        match &node.content {
+            Content::Dir(_) => return Err(ReadError::Io(std::io::Error::from_raw_os_error(libc::EISDIR))),
+            Content::Memory(bytes) => out.copy_from_slice(&bytes[off as usize..off as usize + len]),
+            Content::Plain { path, file } => {
+                let f = match file.get() {
+                    Some(f) => f,
+                    None => {
+                        let opened = Arc::new(File::open(path)?);
+                        file.get_or_init(|| opened)
+                    }
+                };
+                f.read_exact_at(&mut out, off)?;
+            }
+            Content::Shard { file, shard, .. } => self.read_shard(ino, file, shard, off, &mut out)?,
+        }
+        Ok(out)
+    }
+
+    /// A path-based read, the core's whole contract: bytes `[off, off+len)` of path P.
+    pub fn read_path(&self, path: &str, off: u64, len: usize) -> Option<Result<Vec<u8>, ReadError>> {
+        Some(self.read(self.resolve(path)?, off, len))
+    }
+
+    fn read_shard(&self, ino: Ino, file: &File, shard: &Shard, off: u64, out: &mut [u8]) -> Result<(), ReadError> {
+        let raw = |at: u64, buf: &mut [u8]| file.read_exact_at(buf, at);
+        if !self.cache.enabled() {
+            return shard.read(off, out, &raw);
+        }
+        let bs = self.cache.block_size();
+        let end = off + out.len() as u64;
+        let mut pos = off;
+        while pos < end {
+            let block = pos / bs;
+            let b_start = block * bs;
+            let b_end = (b_start + bs).min(shard.file_len);
+            let data = match self.cache.get(ino, block) {
+                Some(d) => d,
+                None => {
+                    let mut buf = Zeroizing::new(vec![0u8; (b_end - b_start) as usize]);
+                    shard.read(b_start, &mut buf, &raw)?;
+                    let d = Arc::new(buf);
+                    self.cache.insert(ino, block, d.clone());
+                    d
+                }
+            };
+            let upto = end.min(b_end);
+            out[(pos - off) as usize..(upto - off) as usize]
+                .copy_from_slice(&data[(pos - b_start) as usize..(upto - b_start) as usize]);
+            pos = upto;
+        }
+        Ok(())
+    }
+}

@@ -1,0 +1,95 @@
+//! The kernel-free core against every shared vector: the whole view, and random ranges.
+
+mod common;
+
+use std::path::Path;
+
+use common::*;
+use kllm_mount::key;
+use kllm_mount::sealed::{self, Options, Seal};
+use kllm_mount::view::View;
+use rand::{Rng, SeedableRng};
+use zeroize::Zeroizing;
+
+fn open_case(case: &Case, opts: &Options) -> Result<View, kllm_mount::Error> {
+    let seal = Seal::read(&case.sealed())?;
+    let (path, pass) = case.key_file();
+    let text = std::fs::read_to_string(&path).unwrap();
+    let k = key::parse_key_file(&path, &text, || Ok(Zeroizing::new(pass.clone().unwrap_or_default())))?;
+    seal.check_key(&k, &path.display())?;
+    sealed::build(&seal, &k, opts)
+}
+
+fn full(view: &View, rel: &str) -> Vec<u8> {
+    let ino = view.resolve(rel).unwrap_or_else(|| panic!("{rel} missing from the view"));
+    let size = view.node(ino).unwrap().attr.size as usize;
+    view.read(ino, 0, size + 10).unwrap()
+}
+
+#[test]
+fn every_good_vector_matches_its_view() {
+    for opts in [Options::default(), Options { cache_bytes: 0, block_size: 1 << 20 }, Options { cache_bytes: 1 << 16, block_size: 4096 }] {
+        for case in cases().iter().filter(|c| c.ok()) {
+            let view = open_case(case, &opts).unwrap_or_else(|e| panic!("{}: {e}", case.name));
+            let want = tree(&case.view());
+            let got: Vec<String> = view.file_paths().into_iter().map(|(p, _)| p).collect();
+            assert_eq!(got, want.keys().cloned().collect::<Vec<_>>(), "{}: file list", case.name);
+            for (rel, path) in &want {
+                let expected = std::fs::read(path).unwrap();
+                let bytes = full(&view, rel);
+                assert_same_file(&format!("{}/{rel}", case.name), &bytes, &expected);
+            }
+        }
+    }
+}
+
+#[test]
+fn views_are_byte_exact() {
+    // Stronger than the vectors demand: kLLM's own output, byte for byte.
+    for case in cases().iter().filter(|c| c.ok()) {
+        let view = open_case(case, &Options::default()).unwrap();
+        for (rel, path) in tree(&case.view()) {
+            let expected = std::fs::read(&path).unwrap();
+            assert!(full(&view, &rel) == expected, "{}/{rel} not byte-exact", case.name);
+        }
+    }
+}
+
+#[test]
+fn random_ranges_equal_slices_of_the_whole() {
+    let mut rng = rand::rngs::StdRng::seed_from_u64(7);
+    for case in cases().iter().filter(|c| c.ok()) {
+        let view = open_case(case, &Options { cache_bytes: 1 << 16, block_size: 4096 }).unwrap();
+        for (rel, path) in tree(&case.view()) {
+            let expected = std::fs::read(&path).unwrap();
+            let ino = view.resolve(&rel).unwrap();
+            for _ in 0..50 {
+                let off = rng.gen_range(0..=expected.len() as u64 + 3);
+                let len = rng.gen_range(0..9000usize);
+                let got = view.read(ino, off, len).unwrap();
+                let lo = (off as usize).min(expected.len());
+                let hi = (lo + len).min(expected.len());
+                assert!(got == expected[lo..hi], "{}/{rel} [{off}, +{len})", case.name);
+            }
+        }
+    }
+}
+
+#[test]
+fn bad_vectors_are_refused_with_their_words() {
+    for case in cases().iter().filter(|c| !c.ok()) {
+        let err = match open_case(case, &Options::default()) {
+            Ok(_) => panic!("{}: mounted, must be refused", case.name),
+            Err(e) => e.to_string(),
+        };
+        for item in case.expect["error_contains"].as_array().unwrap() {
+            let alts: Vec<&str> = match item {
+                serde_json::Value::String(s) => vec![s.as_str()],
+                serde_json::Value::Array(a) => a.iter().map(|v| v.as_str().unwrap()).collect(),
+                _ => panic!("bad expect.json"),
+            };
+            assert!(alts.iter().any(|a| err.contains(a)), "{}: error {err:?} lacks {alts:?}", case.name);
+        }
+        let _ = Path::new(&case.name);
+    }
+}
