@@ -59,12 +59,18 @@ pub fn parse_header<'a>(path: &Path, data: &'a [u8]) -> Result<(&'a [u8], Header
     }
     let hlen = u32::from_le_bytes(data[10..14].try_into().expect("4 bytes"));
     if hlen > MAX_HEADER || 14 + hlen as usize > data.len() {
-        return Err(Error::at(path, format!("header length {hlen} is impossible")));
+        return Err(Error::at(
+            path,
+            format!("header length {hlen} is impossible"),
+        ));
     }
     let header_bytes = &data[14..14 + hlen as usize];
     let doc: Value = serde_json::from_slice(header_bytes)
         .map_err(|e| Error::at(path, format!("header is not JSON ({e})")))?;
-    let field = |name: &str| doc.get(name).ok_or_else(|| Error::at(path, format!("header has no {name}")));
+    let field = |name: &str| {
+        doc.get(name)
+            .ok_or_else(|| Error::at(path, format!("header has no {name}")))
+    };
     let chunk = field("chunk")?
         .as_u64()
         .filter(|c| (1..=MAX_CHUNK).contains(c))
@@ -85,13 +91,22 @@ pub fn parse_header<'a>(path: &Path, data: &'a [u8]) -> Result<(&'a [u8], Header
     let body = &data[14 + hlen as usize..];
     let full = chunk + TAG;
     let body_len = body.len() as u64;
-    let min = (chunks - 1).checked_mul(full).and_then(|v| v.checked_add(TAG));
+    let min = (chunks - 1)
+        .checked_mul(full)
+        .and_then(|v| v.checked_add(TAG));
     let max = chunks.checked_mul(full);
     match (min, max) {
         (Some(min), _) if body_len < min => {
-            return Err(Error::at(path, format!("is truncated: {chunks} chunks declared, {body_len} bytes of chunks present")))
+            return Err(Error::at(
+                path,
+                format!(
+                    "is truncated: {chunks} chunks declared, {body_len} bytes of chunks present"
+                ),
+            ))
         }
-        (_, Some(max)) if body_len > max => return Err(Error::at(path, "has trailing data after its last chunk")),
+        (_, Some(max)) if body_len > max => {
+            return Err(Error::at(path, "has trailing data after its last chunk"))
+        }
         (None, _) => return Err(Error::at(path, "header chunk count is impossible")),
         _ => {}
     }
@@ -115,7 +130,10 @@ pub fn open(path: &Path, data: &[u8], key: &ModelKey) -> Result<Zeroizing<Vec<u8
     if header.fingerprint != ours {
         return Err(Error::at(
             path,
-            format!("sealed with key fingerprint {}, but the key given has fingerprint {ours}", header.fingerprint),
+            format!(
+                "sealed with key fingerprint {}, but the key given has fingerprint {ours}",
+                header.fingerprint
+            ),
         ));
     }
     let aead = cipher(key, &header.salt);
@@ -133,7 +151,15 @@ pub fn open(path: &Path, data: &[u8], key: &ModelKey) -> Result<Zeroizing<Vec<u8
                     aad: &aad(header_bytes, i, last),
                 },
             )
-            .map_err(|_| Error::at(path, format!("is corrupted or was modified (chunk {i} of {} failed authentication)", header.chunks)))?,
+            .map_err(|_| {
+                Error::at(
+                    path,
+                    format!(
+                        "is corrupted or was modified (chunk {i} of {} failed authentication)",
+                        header.chunks
+                    ),
+                )
+            })?,
         );
         if !last && plain.len() as u64 != header.chunk {
             return Err(Error::at(path, format!("chunk {i} is short")));
@@ -154,7 +180,13 @@ pub fn secret_files(path: &Path, payload: &[u8]) -> Result<SecretFiles> {
         };
         check_relative(rel).map_err(|e| Error::at(path, format!("secret file {rel:?} {e}")))?;
         if view.dtype() != Dtype::U8 {
-            return Err(Error::at(path, format!("secret file {rel:?} is stored as {:?}, not U8", view.dtype())));
+            return Err(Error::at(
+                path,
+                format!(
+                    "secret file {rel:?} is stored as {:?}, not U8",
+                    view.dtype()
+                ),
+            ));
         }
         out.insert(rel.to_string(), Zeroizing::new(view.data().to_vec()));
     }
@@ -179,11 +211,15 @@ pub fn check_relative(rel: &str) -> std::result::Result<(), &'static str> {
 
 /// Read, authenticate and unpack `trusted.kllm`.
 pub fn read(path: &Path, key: &ModelKey) -> Result<SecretFiles> {
-    let meta = std::fs::metadata(path).map_err(|e| Error::at(path, format!("cannot read ({e})")))?;
+    let meta =
+        std::fs::metadata(path).map_err(|e| Error::at(path, format!("cannot read ({e})")))?;
     // Bound memory before reading: the header's chunk size is checked in parse_header, and
     // a file far past 1 GiB holds no tokenizer.
     if meta.len() > 4 << 30 {
-        return Err(Error::at(path, "is larger than 4 GiB; refusing to decrypt it into memory"));
+        return Err(Error::at(
+            path,
+            "is larger than 4 GiB; refusing to decrypt it into memory",
+        ));
     }
     let data = std::fs::read(path).map_err(|e| Error::at(path, format!("cannot read ({e})")))?;
     let payload = open(path, &data, key)?;
@@ -245,7 +281,10 @@ mod tests {
         let mut flipped = blob.clone();
         let n = flipped.len();
         flipped[n - 20] ^= 1;
-        assert!(open(p, &flipped, &key).unwrap_err().message().contains("authentication"));
+        assert!(open(p, &flipped, &key)
+            .unwrap_err()
+            .message()
+            .contains("authentication"));
         // After a short last chunk, extra bytes join that chunk and fail its tag.
         let mut trailing = blob.clone();
         trailing.push(0);
@@ -255,9 +294,15 @@ mod tests {
         assert_eq!(&open(p, &full, &key).unwrap()[..], &payload[..900]);
         let mut trailing = full.clone();
         trailing.push(0);
-        assert!(open(p, &trailing, &key).unwrap_err().message().contains("trailing"));
+        assert!(open(p, &trailing, &key)
+            .unwrap_err()
+            .message()
+            .contains("trailing"));
         assert!(open(p, &blob[..blob.len() - 300], &key).is_err());
         let other = ModelKey::new([8; 32]);
-        assert!(open(p, &blob, &other).unwrap_err().message().contains(&other.fingerprint()));
+        assert!(open(p, &blob, &other)
+            .unwrap_err()
+            .message()
+            .contains(&other.fingerprint()));
     }
 }

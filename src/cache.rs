@@ -23,7 +23,8 @@ impl BlockCache {
     /// below one block disables it: every read then decodes exactly what it returns.
     pub fn new(budget: u64, block_size: u64) -> BlockCache {
         assert!(block_size > 0);
-        let lru = NonZeroUsize::new((budget / block_size) as usize).map(|n| Mutex::new(LruCache::new(n)));
+        let lru =
+            NonZeroUsize::new((budget / block_size) as usize).map(|n| Mutex::new(LruCache::new(n)));
         BlockCache { block_size, lru }
     }
 
@@ -36,7 +37,9 @@ impl BlockCache {
     }
 
     pub fn capacity_bytes(&self) -> u64 {
-        self.lru.as_ref().map_or(0, |l| l.lock().cap().get() as u64 * self.block_size)
+        self.lru
+            .as_ref()
+            .map_or(0, |l| l.lock().cap().get() as u64 * self.block_size)
     }
 
     pub fn get(&self, file: u64, block: u64) -> Option<Block> {
@@ -68,14 +71,22 @@ pub fn parse_size(text: &str) -> Result<u64, String> {
                 'M' => 1 << 20,
                 'G' => 1 << 30,
                 'T' => 1 << 40,
-                _ => return Err(format!("unknown size suffix in {text:?} (use K, M, G or T)")),
+                _ => {
+                    return Err(format!(
+                        "unknown size suffix in {text:?} (use K, M, G or T)"
+                    ))
+                }
             };
             (&t[..i], mult)
         }
         _ => (t, 1),
     };
-    let n: u64 = num.trim().parse().map_err(|_| format!("{text:?} is not a size (e.g. 512M, 2G)"))?;
-    n.checked_mul(mult).ok_or_else(|| format!("{text:?} is too large"))
+    let n: u64 = num
+        .trim()
+        .parse()
+        .map_err(|_| format!("{text:?} is not a size (e.g. 512M, 2G)"))?;
+    n.checked_mul(mult)
+        .ok_or_else(|| format!("{text:?} is too large"))
 }
 
 #[cfg(test)]

@@ -65,9 +65,12 @@ impl ModelKey {
     }
 
     pub fn from_slice(bytes: &[u8]) -> Result<Self> {
-        let arr: [u8; KEY_BYTES] = bytes
-            .try_into()
-            .map_err(|_| Error::new(format!("a model key is {KEY_BYTES} bytes, not {}", bytes.len())))?;
+        let arr: [u8; KEY_BYTES] = bytes.try_into().map_err(|_| {
+            Error::new(format!(
+                "a model key is {KEY_BYTES} bytes, not {}",
+                bytes.len()
+            ))
+        })?;
         Ok(ModelKey::new(arr))
     }
 
@@ -144,8 +147,8 @@ pub fn needs_passphrase(path: &Path, text: &str) -> Result<bool> {
 }
 
 fn parse_doc(path: &Path, text: &str) -> Result<serde_json::Map<String, Value>> {
-    let doc: Value =
-        serde_json::from_str(text).map_err(|e| Error::at(path, format!("not a kLLM key file ({e})")))?;
+    let doc: Value = serde_json::from_str(text)
+        .map_err(|e| Error::at(path, format!("not a kLLM key file ({e})")))?;
     let Value::Object(doc) = doc else {
         return Err(Error::at(path, "not a kLLM key file (not a JSON object)"));
     };
@@ -209,14 +212,29 @@ pub fn parse_key_file(
             };
             let (n, r, p) = (num("n")?, num("r")?, num("p")?);
             if !n.is_power_of_two() || n < 2 {
-                return Err(Error::at(path, format!("scrypt n = {n} is not a power of two")));
+                return Err(Error::at(
+                    path,
+                    format!("scrypt n = {n} is not a power of two"),
+                ));
             }
             let log_n = n.trailing_zeros() as u8;
-            if log_n > MAX_SCRYPT_LOG_N || r == 0 || r > MAX_SCRYPT_R as u64 || p == 0 || p > MAX_SCRYPT_P as u64 {
-                return Err(Error::at(path, format!("scrypt parameters n={n} r={r} p={p} are out of bounds")));
+            if log_n > MAX_SCRYPT_LOG_N
+                || r == 0
+                || r > MAX_SCRYPT_R as u64
+                || p == 0
+                || p > MAX_SCRYPT_P as u64
+            {
+                return Err(Error::at(
+                    path,
+                    format!("scrypt parameters n={n} r={r} p={p} are out of bounds"),
+                ));
             }
             let salt = b64_field(path, kdf.get("salt"), "scrypt salt")?;
-            let nonce = b64_field(path, doc.get("cipher").and_then(|c| c.get("nonce")), "nonce")?;
+            let nonce = b64_field(
+                path,
+                doc.get("cipher").and_then(|c| c.get("nonce")),
+                "nonce",
+            )?;
             if nonce.len() != 12 {
                 return Err(Error::at(path, "key file's nonce is not 12 bytes"));
             }
@@ -237,17 +255,25 @@ pub fn parse_key_file(
                             aad: aad.as_bytes(),
                         },
                     )
-                    .map_err(|_| Error::at(path, "wrong passphrase (or the key file was modified)"))?,
+                    .map_err(|_| {
+                        Error::at(path, "wrong passphrase (or the key file was modified)")
+                    })?,
             );
             let key = ModelKey::from_slice(&plain).map_err(|e| Error::at(path, e))?;
             if let Some(recorded) = doc.get("fingerprint").and_then(Value::as_str) {
                 if recorded != key.fingerprint() {
-                    return Err(Error::at(path, "was modified: its fingerprint does not match the key"));
+                    return Err(Error::at(
+                        path,
+                        "was modified: its fingerprint does not match the key",
+                    ));
                 }
             }
             Ok(key)
         }
-        other => Err(Error::at(path, format!("unknown key file cipher {other:?}"))),
+        other => Err(Error::at(
+            path,
+            format!("unknown key file cipher {other:?}"),
+        )),
     }
 }
 
@@ -284,7 +310,8 @@ pub fn resolve(
 ) -> Result<(ModelKey, KeySource)> {
     let load = |path: &Path| -> Result<ModelKey> {
         let text = Zeroizing::new(
-            std::fs::read_to_string(path).map_err(|e| Error::at(path, format!("cannot read key file ({e})")))?,
+            std::fs::read_to_string(path)
+                .map_err(|e| Error::at(path, format!("cannot read key file ({e})")))?,
         );
         parse_key_file(path, &text, || passphrase(path))
     };
@@ -316,7 +343,11 @@ mod tests {
     #[test]
     fn fingerprint_of_known_key() {
         // shared/vectors/llm_v2/kllm.key
-        let key = ModelKey::from_slice(&B64.decode("cpdtT6ZYi/HbO1OyTwQDXM4ahiLqAenINqQHZtQBXpc=").unwrap()).unwrap();
+        let key = ModelKey::from_slice(
+            &B64.decode("cpdtT6ZYi/HbO1OyTwQDXM4ahiLqAenINqQHZtQBXpc=")
+                .unwrap(),
+        )
+        .unwrap();
         assert_eq!(key.fingerprint(), "c440-08b8-6b0f-7d0e");
         assert!(!format!("{key:?}").contains("cpdt"));
     }

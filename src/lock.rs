@@ -64,7 +64,11 @@ impl Codec {
             Dtype::F8_E5M2 => (8, 2, 0x7B),
             _ => return None,
         };
-        Some(Codec::Float { bits, mantissa, top })
+        Some(Codec::Float {
+            bits,
+            mantissa,
+            top,
+        })
     }
 
     /// The codec a v2 entry names, if it can apply to `dtype`.
@@ -122,7 +126,11 @@ impl Codec {
             (largest <= top).then(|| (((largest >> mantissa) + 1) << mantissa).min(top + 1))
         };
         match self {
-            Codec::Float { bits, mantissa, top } => {
+            Codec::Float {
+                bits,
+                mantissa,
+                top,
+            } => {
                 let largest = units(plain, bits as usize / 8)
                     .map(|c| c & ((1u64 << (bits - 1)) - 1))
                     .max()
@@ -130,7 +138,11 @@ impl Codec {
                 float(largest, mantissa, top)
             }
             Codec::Fp4x2 => {
-                let largest = plain.iter().flat_map(|b| [b & 7, (b >> 4) & 7]).max().unwrap_or(0);
+                let largest = plain
+                    .iter()
+                    .flat_map(|b| [b & 7, (b >> 4) & 7])
+                    .max()
+                    .unwrap_or(0);
                 float(largest as u64, FP4.1, FP4.2)
             }
             Codec::E8m0 => {
@@ -195,7 +207,13 @@ pub fn tensor_id(shard_dir: &str, name: &str) -> String {
 
 impl TensorLock {
     /// `m` must already satisfy `codec.valid_domain(m)`.
-    pub fn new(key: &ModelKey, version: Version, codec: Codec, m: u64, tensor_id: &str) -> TensorLock {
+    pub fn new(
+        key: &ModelKey,
+        version: Version,
+        codec: Codec,
+        m: u64,
+        tensor_id: &str,
+    ) -> TensorLock {
         debug_assert!(codec.valid_domain(m));
         let span = if codec.signed() { 2 * m } else { m };
         let wide = match version {
@@ -227,7 +245,8 @@ impl TensorLock {
                 c.apply_keystream(stream);
             }
             Version::V2 => {
-                let mut c = chacha20::ChaCha20::new(self.stream_key.bytes().into(), &[0u8; 12].into());
+                let mut c =
+                    chacha20::ChaCha20::new(self.stream_key.bytes().into(), &[0u8; 12].into());
                 c.seek(pos);
                 c.apply_keystream(stream);
             }
@@ -293,7 +312,9 @@ impl TensorLock {
             let n_units = part.len() / ub;
             let offs = &mut offs[..n_units * cpu];
             self.offsets(unit0 * cpu as u64, offs, &mut stream);
-            let bad = |i: usize| OutOfDomain { unit: unit0 + i as u64 };
+            let bad = |i: usize| OutOfDomain {
+                unit: unit0 + i as u64,
+            };
             match self.codec {
                 Codec::Float { bits, .. } => {
                     let sign_bit = 1u64 << (bits - 1);

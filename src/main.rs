@@ -1,1 +1,3 @@
-fn main(){}
+fn main() {
+    kllm_mount::cli::main();
+}

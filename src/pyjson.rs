@@ -87,7 +87,9 @@ fn float_repr(f: f64) -> String {
         return if f > 0.0 { "Infinity" } else { "-Infinity" }.into();
     }
     let sci = format!("{f:e}");
-    let (mantissa, exp) = sci.split_once('e').expect("LowerExp always has an exponent");
+    let (mantissa, exp) = sci
+        .split_once('e')
+        .expect("LowerExp always has an exponent");
     let exp: i32 = exp.parse().expect("LowerExp exponent is an integer");
     if (-4..16).contains(&exp) {
         let fixed = format!("{f}");
@@ -176,7 +178,10 @@ mod tests {
     fn member_removed_keeps_the_rest_verbatim() {
         let text = "{\n  \"a\": 1e-06,\n  \"kllm\": {\n    \"scheme\": \"l1\",\n    \"lock\": \"v2\"\n  }\n}";
         let out = without_member(text, Some("kllm"), "lock").unwrap();
-        assert_eq!(out, "{\n  \"a\": 1e-06,\n  \"kllm\": {\n    \"scheme\": \"l1\"\n  }\n}");
+        assert_eq!(
+            out,
+            "{\n  \"a\": 1e-06,\n  \"kllm\": {\n    \"scheme\": \"l1\"\n  }\n}"
+        );
         let top = "{\n  \"scheme\": \"l1\",\n  \"lock\": \"v1\"\n}\n";
         assert_eq!(
             without_member(top, None, "lock").unwrap(),

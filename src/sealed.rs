@@ -38,7 +38,8 @@ pub struct Seal {
 }
 
 fn read_json_object(path: &Path) -> Result<(String, serde_json::Map<String, Value>)> {
-    let text = fs::read_to_string(path).map_err(|e| Error::at(path, format!("cannot read ({e})")))?;
+    let text =
+        fs::read_to_string(path).map_err(|e| Error::at(path, format!("cannot read ({e})")))?;
     match serde_json::from_str(&text) {
         Ok(Value::Object(m)) => Ok((text, m)),
         Ok(_) => Err(Error::at(path, "is not a JSON object")),
@@ -95,10 +96,18 @@ impl Seal {
         let lock = match meta.get("lock") {
             None | Some(Value::Null) => None,
             Some(Value::String(v)) => Some(Version::parse(v).ok_or_else(|| {
-                Error::at(&meta_file, format!("lock version {v} is not supported (this kllm-mount reads v1 and v2)"))
+                Error::at(
+                    &meta_file,
+                    format!("lock version {v} is not supported (this kllm-mount reads v1 and v2)"),
+                )
             })?),
             Some(other) => {
-                return Err(Error::at(&meta_file, format!("lock version {other} is not supported (this kllm-mount reads v1 and v2)")))
+                return Err(Error::at(
+                    &meta_file,
+                    format!(
+                        "lock version {other} is not supported (this kllm-mount reads v1 and v2)"
+                    ),
+                ))
             }
         };
         Ok(Seal {
@@ -131,11 +140,17 @@ impl Seal {
         if self.lock.is_none() {
             return Ok(None);
         }
-        let text = fs::read_to_string(&self.meta_file).map_err(|e| Error::at(&self.meta_file, format!("cannot read ({e})")))?;
+        let text = fs::read_to_string(&self.meta_file)
+            .map_err(|e| Error::at(&self.meta_file, format!("cannot read ({e})")))?;
         let within = if self.pipeline { None } else { Some("kllm") };
         pyjson::without_member(&text, within, "lock")
             .map(Some)
-            .ok_or_else(|| Error::at(&self.meta_file, "cannot remove the lock flag (not a JSON object)"))
+            .ok_or_else(|| {
+                Error::at(
+                    &self.meta_file,
+                    "cannot remove the lock flag (not a JSON object)",
+                )
+            })
     }
 }
 
@@ -178,7 +193,8 @@ impl Builder {
     fn add(&mut self, parent: Ino, name: OsString, attr: Attr, content: Content) -> Ino {
         let ino = self.nodes.len() as Ino + 1;
         if attr.kind == Kind::Dir {
-            self.children.resize_with(self.nodes.len() + 1, BTreeMap::new);
+            self.children
+                .resize_with(self.nodes.len() + 1, BTreeMap::new);
         }
         self.nodes.push(Node {
             parent,
@@ -222,20 +238,40 @@ impl Default for Options {
 /// header and `trusted.kllm`; tensor data is left for reads.
 pub fn build(seal: &Seal, key: &ModelKey, opts: &Options) -> Result<View> {
     let root = &seal.root;
-    let canon_root = fs::canonicalize(root).map_err(|e| Error::at(root, format!("cannot resolve ({e})")))?;
-    let root_meta = fs::metadata(root).map_err(|e| Error::at(root, format!("cannot stat ({e})")))?;
+    let canon_root =
+        fs::canonicalize(root).map_err(|e| Error::at(root, format!("cannot resolve ({e})")))?;
+    let root_meta =
+        fs::metadata(root).map_err(|e| Error::at(root, format!("cannot stat ({e})")))?;
     let mut b = Builder {
         nodes: Vec::new(),
         children: Vec::new(),
     };
-    b.add(ROOT, OsString::new(), attr_of(&root_meta, Kind::Dir, 0), Content::Dir(Vec::new()));
+    b.add(
+        ROOT,
+        OsString::new(),
+        attr_of(&root_meta, Kind::Dir, 0),
+        Content::Dir(Vec::new()),
+    );
     let mut visited = HashSet::new();
     visited.insert(canon_root.clone());
-    walk(seal, key, &canon_root, root, Path::new(""), ROOT, &mut b, &mut visited)?;
+    walk(
+        seal,
+        key,
+        &canon_root,
+        root,
+        Path::new(""),
+        ROOT,
+        &mut b,
+        &mut visited,
+    )?;
 
     // The metadata file without its lock flag.
     if let Some(text) = seal.unlocked_meta_text()? {
-        let name = seal.meta_file.file_name().expect("a file name").to_os_string();
+        let name = seal
+            .meta_file
+            .file_name()
+            .expect("a file name")
+            .to_os_string();
         let ino = b.children[0][&name];
         let node = &mut b.nodes[ino as usize - 1];
         node.attr.size = text.len() as u64;
@@ -245,7 +281,8 @@ pub fn build(seal: &Seal, key: &ModelKey, opts: &Options) -> Result<View> {
     // The secret files of trusted.kllm, at their paths.
     let blob_path = root.join(blob::FILE_NAME);
     if blob_path.is_file() {
-        let blob_meta = fs::metadata(&blob_path).map_err(|e| Error::at(&blob_path, format!("cannot stat ({e})")))?;
+        let blob_meta = fs::metadata(&blob_path)
+            .map_err(|e| Error::at(&blob_path, format!("cannot stat ({e})")))?;
         let files = blob::read(&blob_path, key)?;
         for (rel, data) in files {
             add_secret_file(&mut b, &blob_path, &blob_meta, &rel, data)?;
@@ -254,14 +291,25 @@ pub fn build(seal: &Seal, key: &ModelKey, opts: &Options) -> Result<View> {
     Ok(b.finish(BlockCache::new(opts.cache_bytes, opts.block_size)))
 }
 
-fn add_secret_file(b: &mut Builder, blob_path: &Path, blob_meta: &Metadata, rel: &str, data: Zeroizing<Vec<u8>>) -> Result<()> {
+fn add_secret_file(
+    b: &mut Builder,
+    blob_path: &Path,
+    blob_meta: &Metadata,
+    rel: &str,
+    data: Zeroizing<Vec<u8>>,
+) -> Result<()> {
     let parts: Vec<&str> = rel.split('/').collect();
     let mut dir = ROOT;
     for part in &parts[..parts.len() - 1] {
         let name = OsString::from(part);
         dir = match b.children[dir as usize - 1].get(&name) {
             Some(&ino) if b.nodes[ino as usize - 1].attr.kind == Kind::Dir => ino,
-            Some(_) => return Err(Error::at(blob_path, format!("secret file {rel:?} lies under a file of the same name"))),
+            Some(_) => {
+                return Err(Error::at(
+                    blob_path,
+                    format!("secret file {rel:?} lies under a file of the same name"),
+                ))
+            }
             None => {
                 let mut attr = attr_of(blob_meta, Kind::Dir, 0);
                 attr.perm = 0o755;
@@ -272,11 +320,15 @@ fn add_secret_file(b: &mut Builder, blob_path: &Path, blob_meta: &Metadata, rel:
     let name = OsString::from(parts[parts.len() - 1]);
     let attr = attr_of(blob_meta, Kind::File, data.len() as u64);
     match b.children[dir as usize - 1].get(&name) {
-        Some(&ino) if b.nodes[ino as usize - 1].attr.kind == Kind::Dir => {
-            Err(Error::at(blob_path, format!("secret file {rel:?} has the name of a directory")))
-        }
+        Some(&ino) if b.nodes[ino as usize - 1].attr.kind == Kind::Dir => Err(Error::at(
+            blob_path,
+            format!("secret file {rel:?} has the name of a directory"),
+        )),
         Some(&ino) => {
-            log::warn!("{}: secret file {rel} replaces the file of the same name", blob_path.display());
+            log::warn!(
+                "{}: secret file {rel} replaces the file of the same name",
+                blob_path.display()
+            );
             let node = &mut b.nodes[ino as usize - 1];
             node.attr = attr;
             node.content = Content::Memory(data);
@@ -291,7 +343,10 @@ fn add_secret_file(b: &mut Builder, blob_path: &Path, blob_meta: &Metadata, rel:
 
 /// Hidden from the view: the encrypted blob and a key shipped beside the weights.
 fn hidden(rel: &Path) -> bool {
-    rel.parent() == Some(Path::new("")) && rel.file_name().is_some_and(|n| n == blob::FILE_NAME || n == SHIPPED_KEY)
+    rel.parent() == Some(Path::new(""))
+        && rel
+            .file_name()
+            .is_some_and(|n| n == blob::FILE_NAME || n == SHIPPED_KEY)
 }
 
 #[allow(clippy::too_many_arguments)]
@@ -317,20 +372,29 @@ fn walk(
         if hidden(&rel) {
             continue;
         }
-        let lmeta = fs::symlink_metadata(&path).map_err(|e| Error::at(&path, format!("cannot stat ({e})")))?;
+        let lmeta = fs::symlink_metadata(&path)
+            .map_err(|e| Error::at(&path, format!("cannot stat ({e})")))?;
         let (real, meta) = if lmeta.file_type().is_symlink() {
             // A link is followed only when it stays inside the sealed directory.
             match fs::canonicalize(&path) {
                 Ok(target) if target.starts_with(canon_root) => {
-                    let m = fs::metadata(&target).map_err(|e| Error::at(&path, format!("cannot stat link target ({e})")))?;
+                    let m = fs::metadata(&target)
+                        .map_err(|e| Error::at(&path, format!("cannot stat link target ({e})")))?;
                     (target, m)
                 }
                 Ok(target) => {
-                    log::warn!("{}: symbolic link to {} leaves the sealed directory; not shown", path.display(), target.display());
+                    log::warn!(
+                        "{}: symbolic link to {} leaves the sealed directory; not shown",
+                        path.display(),
+                        target.display()
+                    );
                     continue;
                 }
                 Err(e) => {
-                    log::warn!("{}: dangling symbolic link ({e}); not shown", path.display());
+                    log::warn!(
+                        "{}: dangling symbolic link ({e}); not shown",
+                        path.display()
+                    );
                     continue;
                 }
             }
@@ -338,24 +402,47 @@ fn walk(
             (path.clone(), lmeta)
         };
         if meta.is_dir() {
-            let canon = fs::canonicalize(&real).map_err(|e| Error::at(&path, format!("cannot resolve ({e})")))?;
+            let canon = fs::canonicalize(&real)
+                .map_err(|e| Error::at(&path, format!("cannot resolve ({e})")))?;
             if !visited.insert(canon) {
-                log::warn!("{}: directory already shown (link loop); not shown again", path.display());
+                log::warn!(
+                    "{}: directory already shown (link loop); not shown again",
+                    path.display()
+                );
                 continue;
             }
-            let ino = b.add(dir_ino, name, attr_of(&meta, Kind::Dir, 0), Content::Dir(Vec::new()));
+            let ino = b.add(
+                dir_ino,
+                name,
+                attr_of(&meta, Kind::Dir, 0),
+                Content::Dir(Vec::new()),
+            );
             walk(seal, key, canon_root, &real, &rel, ino, b, visited)?;
         } else if meta.is_file() {
             let content = file_content(seal, key, &real, &path, &rel)?;
-            b.add(dir_ino, name, attr_of(&meta, Kind::File, meta.len()), content);
+            b.add(
+                dir_ino,
+                name,
+                attr_of(&meta, Kind::File, meta.len()),
+                content,
+            );
         } else {
-            log::warn!("{}: not a regular file or directory; not shown", path.display());
+            log::warn!(
+                "{}: not a regular file or directory; not shown",
+                path.display()
+            );
         }
     }
     Ok(())
 }
 
-fn file_content(seal: &Seal, key: &ModelKey, real: &Path, shown: &Path, rel: &Path) -> Result<Content> {
+fn file_content(
+    seal: &Seal,
+    key: &ModelKey,
+    real: &Path,
+    shown: &Path,
+    rel: &Path,
+) -> Result<Content> {
     if !is_lockable(rel) {
         return Ok(Content::Plain {
             path: real.to_path_buf(),
@@ -363,7 +450,10 @@ fn file_content(seal: &Seal, key: &ModelKey, real: &Path, shown: &Path, rel: &Pa
         });
     }
     let file = File::open(real).map_err(|e| Error::at(shown, format!("cannot open ({e})")))?;
-    let shard_dir = rel.parent().map(|p| p.to_string_lossy().into_owned()).unwrap_or_default();
+    let shard_dir = rel
+        .parent()
+        .map(|p| p.to_string_lossy().into_owned())
+        .unwrap_or_default();
     let shard = Shard::open(shown, &file, &shard_dir, key)?;
     if !shard.is_locked() {
         return Ok(Content::Plain {
@@ -374,7 +464,10 @@ fn file_content(seal: &Seal, key: &ModelKey, real: &Path, shown: &Path, rel: &Pa
     if seal.lock.is_none() {
         return Err(Error::at(
             shown,
-            format!("carries {LOCK_META}, but {} has no lock flag; refusing to guess", seal.meta_file.display()),
+            format!(
+                "carries {LOCK_META}, but {} has no lock flag; refusing to guess",
+                seal.meta_file.display()
+            ),
         ));
     }
     Ok(Content::Shard {
@@ -383,4 +476,3 @@ fn file_content(seal: &Seal, key: &ModelKey, real: &Path, shown: &Path, rel: &Pa
         shard,
     })
 }
-

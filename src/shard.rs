@@ -47,7 +47,10 @@ pub struct Shard {
 pub enum ReadError {
     Io(io::Error),
     /// A locked value outside its domain: the data on disk is not what was locked.
-    Corrupt { tensor: String, unit: u64 },
+    Corrupt {
+        tensor: String,
+        unit: u64,
+    },
 }
 
 impl fmt::Display for ReadError {
@@ -90,8 +93,13 @@ fn lock_entries(path: &Path, text: &str) -> Result<Vec<(String, Version, u64, Op
             }
         }
         Some(other) => {
-            let shown = other.as_str().map(str::to_string).unwrap_or_else(|| other.to_string());
-            return Err(bad(format!("unknown lock version {shown} (this kllm-mount reads v1 and v2)")));
+            let shown = other
+                .as_str()
+                .map(str::to_string)
+                .unwrap_or_else(|| other.to_string());
+            return Err(bad(format!(
+                "unknown lock version {shown} (this kllm-mount reads v1 and v2)"
+            )));
         }
         None => {
             for (name, entry) in &doc {
@@ -113,31 +121,51 @@ impl Shard {
     /// Read and check a shard's header. `shard_dir` scopes tensor ids (the shard's folder
     /// relative to the model root, `""` at the root). Tensors named in `kllm.lock` get their
     /// key streams from `key`.
-    pub fn open(path: &Path, file: &std::fs::File, shard_dir: &str, key: &ModelKey) -> Result<Shard> {
+    pub fn open(
+        path: &Path,
+        file: &std::fs::File,
+        shard_dir: &str,
+        key: &ModelKey,
+    ) -> Result<Shard> {
         let file_len = file
             .metadata()
             .map_err(|e| Error::at(path, format!("cannot stat ({e})")))?
             .len();
         let mut prefix = [0u8; 8];
         if file_len < 8 {
-            return Err(Error::at(path, "safetensors header is malformed (file shorter than 8 bytes)"));
+            return Err(Error::at(
+                path,
+                "safetensors header is malformed (file shorter than 8 bytes)",
+            ));
         }
-        read_exact_at(file, &mut prefix, 0).map_err(|e| Error::at(path, format!("cannot read ({e})")))?;
+        read_exact_at(file, &mut prefix, 0)
+            .map_err(|e| Error::at(path, format!("cannot read ({e})")))?;
         let n = u64::from_le_bytes(prefix);
         if n > MAX_HEADER {
-            return Err(Error::at(path, format!("safetensors header is oversized ({n} bytes, limit {MAX_HEADER})")));
+            return Err(Error::at(
+                path,
+                format!("safetensors header is oversized ({n} bytes, limit {MAX_HEADER})"),
+            ));
         }
         if 8 + n > file_len {
             return Err(Error::at(path, format!("safetensors header ({n} bytes) runs past the end of the file ({file_len} bytes)")));
         }
         let mut header = vec![0u8; n as usize];
-        read_exact_at(file, &mut header, 8).map_err(|e| Error::at(path, format!("cannot read ({e})")))?;
+        read_exact_at(file, &mut header, 8)
+            .map_err(|e| Error::at(path, format!("cannot read ({e})")))?;
         Shard::from_header(path, &header, file_len, shard_dir, key)
     }
 
     /// The part of [`Shard::open`] after the header bytes are read.
-    pub fn from_header(path: &Path, header: &[u8], file_len: u64, shard_dir: &str, key: &ModelKey) -> Result<Shard> {
-        let malformed = |why: String| Error::at(path, format!("safetensors header is malformed ({why})"));
+    pub fn from_header(
+        path: &Path,
+        header: &[u8],
+        file_len: u64,
+        shard_dir: &str,
+        key: &ModelKey,
+    ) -> Result<Shard> {
+        let malformed =
+            |why: String| Error::at(path, format!("safetensors header is malformed ({why})"));
         let n = header.len() as u64;
         let text = std::str::from_utf8(header).map_err(|_| malformed("not UTF-8".into()))?;
         if !text.starts_with('{') {
@@ -152,7 +180,8 @@ impl Shard {
                 format!("tensor data runs past the end of the file (needs {} bytes, file has {file_len})", data_start + data_len),
             ));
         }
-        let mut doc: serde_json::Map<String, Value> = serde_json::from_str(text).map_err(|e| malformed(e.to_string()))?;
+        let mut doc: serde_json::Map<String, Value> =
+            serde_json::from_str(text).map_err(|e| malformed(e.to_string()))?;
         let lock_text = match doc.get_mut("__metadata__") {
             Some(Value::Object(m)) => match m.shift_remove(LOCK_META) {
                 Some(Value::String(s)) => Some(s),
@@ -164,9 +193,12 @@ impl Shard {
         let mut locked = Vec::new();
         if let Some(lock_text) = &lock_text {
             for (name, version, m, fmt) in lock_entries(path, lock_text)? {
-                let info = meta
-                    .info(&name)
-                    .ok_or_else(|| Error::at(path, format!("{LOCK_META} names tensor {name:?}, which the shard lacks")))?;
+                let info = meta.info(&name).ok_or_else(|| {
+                    Error::at(
+                        path,
+                        format!("{LOCK_META} names tensor {name:?}, which the shard lacks"),
+                    )
+                })?;
                 let codec = match (&fmt, version) {
                     (Some(fmt), _) => Codec::v2(fmt, info.dtype).ok_or_else(|| {
                         Error::at(path, format!("{LOCK_META}: tensor {name:?} is {:?}, which format {fmt:?} cannot hold", info.dtype))
@@ -186,7 +218,10 @@ impl Shard {
                 let (s, e) = info.data_offsets;
                 let units = (e - s) as u64 / codec.unit_bytes() as u64;
                 if units > lock.max_units() {
-                    return Err(Error::at(path, format!("tensor {name:?} is longer than one key stream covers")));
+                    return Err(Error::at(
+                        path,
+                        format!("tensor {name:?} is longer than one key stream covers"),
+                    ));
                 }
                 locked.push(LockedTensor {
                     name,
@@ -203,7 +238,10 @@ impl Shard {
         if lock_text.is_some() {
             let json = serde_json::to_vec(&doc).expect("a JSON map serializes");
             if json.len() as u64 > n {
-                return Err(Error::at(path, "unlocked header would be longer than the original"));
+                return Err(Error::at(
+                    path,
+                    "unlocked header would be longer than the original",
+                ));
             }
             view_header.extend_from_slice(&json);
             view_header.resize(data_start as usize, b' ');
@@ -235,7 +273,8 @@ impl Shard {
         let mut pos = off;
         if pos < self.data_start {
             let upto = end.min(self.data_start);
-            out[..(upto - off) as usize].copy_from_slice(&self.view_header[off as usize..upto as usize]);
+            out[..(upto - off) as usize]
+                .copy_from_slice(&self.view_header[off as usize..upto as usize]);
             pos = upto;
         }
         if pos >= end {
@@ -246,7 +285,13 @@ impl Shard {
         for t in self.locked[first..].iter().take_while(|t| t.start < end) {
             let a = t.start.max(pos);
             let b = t.end.min(end);
-            decode_range(t, a, b, &mut out[(a - off) as usize..(b - off) as usize], raw)?;
+            decode_range(
+                t,
+                a,
+                b,
+                &mut out[(a - off) as usize..(b - off) as usize],
+                raw,
+            )?;
         }
         Ok(())
     }
@@ -278,7 +323,8 @@ fn decode_range(
         let u0 = unit * ub;
         let lo = rel_a.max(u0);
         let hi = rel_b.min(u0 + ub);
-        buf[(lo - rel_a) as usize..(hi - rel_a) as usize].copy_from_slice(&tmp[(lo - u0) as usize..(hi - u0) as usize]);
+        buf[(lo - rel_a) as usize..(hi - rel_a) as usize]
+            .copy_from_slice(&tmp[(lo - u0) as usize..(hi - u0) as usize]);
         Ok(())
     };
     if first_whole > last_whole {
@@ -291,7 +337,9 @@ fn decode_range(
     if first_whole < last_whole {
         let lo = (first_whole * ub - rel_a) as usize;
         let hi = (last_whole * ub - rel_a) as usize;
-        t.lock.decode(first_whole, &mut buf[lo..hi]).map_err(corrupt)?;
+        t.lock
+            .decode(first_whole, &mut buf[lo..hi])
+            .map_err(corrupt)?;
     }
     if rel_b % ub != 0 {
         partial(last_whole, buf)?;

@@ -39,12 +39,19 @@ pub struct Attr {
 pub enum Content {
     Dir(Vec<(OsString, Ino)>),
     /// A file shown as it is on disk, opened on first read.
-    Plain { path: PathBuf, file: OnceLock<Arc<File>> },
+    Plain {
+        path: PathBuf,
+        file: OnceLock<Arc<File>>,
+    },
     /// Bytes that exist only in memory: secret files and the metadata file without its
     /// lock flag.
     Memory(Zeroizing<Vec<u8>>),
     /// A locked shard, decoded on read.
-    Shard { path: PathBuf, file: File, shard: Shard },
+    Shard {
+        path: PathBuf,
+        file: File,
+        shard: Shard,
+    },
 }
 
 pub struct Node {
@@ -145,7 +152,11 @@ impl View {
             return Ok(out);
         }
         match &node.content {
-            Content::Dir(_) => return Err(ReadError::Io(std::io::Error::from_raw_os_error(libc::EISDIR))),
+            Content::Dir(_) => {
+                return Err(ReadError::Io(std::io::Error::from_raw_os_error(
+                    libc::EISDIR,
+                )))
+            }
             Content::Memory(bytes) => out.copy_from_slice(&bytes[off as usize..off as usize + len]),
             Content::Plain { path, file } => {
                 let f = match file.get() {
@@ -157,17 +168,31 @@ impl View {
                 };
                 f.read_exact_at(&mut out, off)?;
             }
-            Content::Shard { file, shard, .. } => self.read_shard(ino, file, shard, off, &mut out)?,
+            Content::Shard { file, shard, .. } => {
+                self.read_shard(ino, file, shard, off, &mut out)?
+            }
         }
         Ok(out)
     }
 
     /// A path-based read, the core's whole contract: bytes `[off, off+len)` of path P.
-    pub fn read_path(&self, path: &str, off: u64, len: usize) -> Option<Result<Vec<u8>, ReadError>> {
+    pub fn read_path(
+        &self,
+        path: &str,
+        off: u64,
+        len: usize,
+    ) -> Option<Result<Vec<u8>, ReadError>> {
         Some(self.read(self.resolve(path)?, off, len))
     }
 
-    fn read_shard(&self, ino: Ino, file: &File, shard: &Shard, off: u64, out: &mut [u8]) -> Result<(), ReadError> {
+    fn read_shard(
+        &self,
+        ino: Ino,
+        file: &File,
+        shard: &Shard,
+        off: u64,
+        out: &mut [u8],
+    ) -> Result<(), ReadError> {
         let raw = |at: u64, buf: &mut [u8]| file.read_exact_at(buf, at);
         if !self.cache.enabled() {
             return shard.read(off, out, &raw);

@@ -15,25 +15,44 @@ fn open_case(case: &Case, opts: &Options) -> Result<View, kllm_mount::Error> {
     let seal = Seal::read(&case.sealed())?;
     let (path, pass) = case.key_file();
     let text = std::fs::read_to_string(&path).unwrap();
-    let k = key::parse_key_file(&path, &text, || Ok(Zeroizing::new(pass.clone().unwrap_or_default())))?;
+    let k = key::parse_key_file(&path, &text, || {
+        Ok(Zeroizing::new(pass.clone().unwrap_or_default()))
+    })?;
     seal.check_key(&k, &path.display())?;
     sealed::build(&seal, &k, opts)
 }
 
 fn full(view: &View, rel: &str) -> Vec<u8> {
-    let ino = view.resolve(rel).unwrap_or_else(|| panic!("{rel} missing from the view"));
+    let ino = view
+        .resolve(rel)
+        .unwrap_or_else(|| panic!("{rel} missing from the view"));
     let size = view.node(ino).unwrap().attr.size as usize;
     view.read(ino, 0, size + 10).unwrap()
 }
 
 #[test]
 fn every_good_vector_matches_its_view() {
-    for opts in [Options::default(), Options { cache_bytes: 0, block_size: 1 << 20 }, Options { cache_bytes: 1 << 16, block_size: 4096 }] {
+    for opts in [
+        Options::default(),
+        Options {
+            cache_bytes: 0,
+            block_size: 1 << 20,
+        },
+        Options {
+            cache_bytes: 1 << 16,
+            block_size: 4096,
+        },
+    ] {
         for case in cases().iter().filter(|c| c.ok()) {
             let view = open_case(case, &opts).unwrap_or_else(|e| panic!("{}: {e}", case.name));
             let want = tree(&case.view());
             let got: Vec<String> = view.file_paths().into_iter().map(|(p, _)| p).collect();
-            assert_eq!(got, want.keys().cloned().collect::<Vec<_>>(), "{}: file list", case.name);
+            assert_eq!(
+                got,
+                want.keys().cloned().collect::<Vec<_>>(),
+                "{}: file list",
+                case.name
+            );
             for (rel, path) in &want {
                 let expected = std::fs::read(path).unwrap();
                 let bytes = full(&view, rel);
@@ -50,7 +69,11 @@ fn views_are_byte_exact() {
         let view = open_case(case, &Options::default()).unwrap();
         for (rel, path) in tree(&case.view()) {
             let expected = std::fs::read(&path).unwrap();
-            assert!(full(&view, &rel) == expected, "{}/{rel} not byte-exact", case.name);
+            assert!(
+                full(&view, &rel) == expected,
+                "{}/{rel} not byte-exact",
+                case.name
+            );
         }
     }
 }
@@ -59,7 +82,14 @@ fn views_are_byte_exact() {
 fn random_ranges_equal_slices_of_the_whole() {
     let mut rng = rand::rngs::StdRng::seed_from_u64(7);
     for case in cases().iter().filter(|c| c.ok()) {
-        let view = open_case(case, &Options { cache_bytes: 1 << 16, block_size: 4096 }).unwrap();
+        let view = open_case(
+            case,
+            &Options {
+                cache_bytes: 1 << 16,
+                block_size: 4096,
+            },
+        )
+        .unwrap();
         for (rel, path) in tree(&case.view()) {
             let expected = std::fs::read(&path).unwrap();
             let ino = view.resolve(&rel).unwrap();
@@ -69,7 +99,11 @@ fn random_ranges_equal_slices_of_the_whole() {
                 let got = view.read(ino, off, len).unwrap();
                 let lo = (off as usize).min(expected.len());
                 let hi = (lo + len).min(expected.len());
-                assert!(got == expected[lo..hi], "{}/{rel} [{off}, +{len})", case.name);
+                assert!(
+                    got == expected[lo..hi],
+                    "{}/{rel} [{off}, +{len})",
+                    case.name
+                );
             }
         }
     }
@@ -88,7 +122,11 @@ fn bad_vectors_are_refused_with_their_words() {
                 serde_json::Value::Array(a) => a.iter().map(|v| v.as_str().unwrap()).collect(),
                 _ => panic!("bad expect.json"),
             };
-            assert!(alts.iter().any(|a| err.contains(a)), "{}: error {err:?} lacks {alts:?}", case.name);
+            assert!(
+                alts.iter().any(|a| err.contains(a)),
+                "{}: error {err:?} lacks {alts:?}",
+                case.name
+            );
         }
         let _ = Path::new(&case.name);
     }

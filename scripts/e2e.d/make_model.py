@@ -7,10 +7,11 @@
   built-in text below, with the special tokens <|endoftext|>, <|im_start|>, <|im_end|>
   added after the regular vocabulary, as in Qwen's tokenizers. Written as tokenizer.json
   plus vocab.json and merges.txt, and a tokenizer_config.json naming Qwen2Tokenizer.
-- A Qwen3ForCausalLM (hidden size 256, 4 heads of 64, 2 KV heads, 6 layers; about 24 MiB
-  in float32) with untied embeddings, trained for a few steps on the same text so that
-  greedy generation continues a prompt with a memorized sentence: a wrong byte anywhere
-  in the weights shows up as different text.
+- A Qwen3ForCausalLM (hidden size 256, 4 heads of 64, 2 KV heads, 4 layers) with untied
+  embeddings, trained for a few steps on the same text so that greedy generation
+  continues a prompt with a memorized sentence: a wrong byte in the weights shows up as
+  different text. Its vocabulary is then padded to 32768 rows (unused, as in real
+  checkpoints), which makes the float32 shard about 75 MiB: several 16 MiB blocks.
 
 Everything is seeded: the same versions make the same files.
 """
@@ -99,12 +100,45 @@ def make_tokenizer(out: Path, vocab_size: int = 640):
     return tok, len(vocab), ids
 
 
+def pad_vocab(model, cfg, size: int, tok):
+    """The trained model with `size` vocabulary rows. The new embedding rows are random
+    and never looked up; the new LM head rows are zero. Greedy text must not change."""
+    import copy
+
+    import torch
+    from transformers import Qwen3ForCausalLM
+
+    big_cfg = copy.deepcopy(cfg)
+    big_cfg.vocab_size = size
+    big = Qwen3ForCausalLM(big_cfg).float().eval()
+    state = model.state_dict()
+    n = cfg.vocab_size
+    emb = big.model.embed_tokens.weight.detach().clone()
+    emb[:n] = state["model.embed_tokens.weight"]
+    head = torch.zeros_like(big.lm_head.weight)
+    head[:n] = state["lm_head.weight"]
+    state["model.embed_tokens.weight"], state["lm_head.weight"] = emb, head
+    big.load_state_dict(state)
+    for prompt in ("The quick brown", "Seven silver", "The library on", "Every morning the"):
+        x = torch.tensor([tok.encode(prompt).ids])
+        with torch.no_grad():
+            a = model.generate(x, max_new_tokens=24, do_sample=False)
+            b = big.generate(x, max_new_tokens=24, do_sample=False)
+        if not torch.equal(a, b):
+            raise SystemExit(f"padding the vocabulary changed the greedy text of {prompt!r}")
+    return big
+
+
 def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("out")
     ap.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"))
-    ap.add_argument("--steps", type=int, default=120, help="training steps (0: random weights)")
+    ap.add_argument("--steps", type=int, default=80, help="training steps (0: random weights)")
     ap.add_argument("--seed", type=int, default=1234)
+    ap.add_argument("--vocab-size", type=int, default=32768,
+                    help="rows of the embedding and LM head after training; the rows past "
+                    "the tokenizer's are unused, as in real checkpoints, and make the shards "
+                    "big enough for several 16 MiB blocks (0: leave as trained)")
     ap.add_argument("--from", dest="src", default=None,
                     help="reuse the weights and tokenizer of an existing checkpoint, only "
                     "changing the dtype")
@@ -134,10 +168,10 @@ def main() -> int:
 
     tok, regular, ids = make_tokenizer(out)
     cfg = Qwen3Config(
-        vocab_size=regular + len(SPECIALS) + 13,  # a few unused rows, as real models have
+        vocab_size=regular + len(SPECIALS) + 13,
         hidden_size=256,
-        intermediate_size=1024,
-        num_hidden_layers=6,
+        intermediate_size=512,
+        num_hidden_layers=4,
         num_attention_heads=4,
         num_key_value_heads=2,
         head_dim=64,
@@ -173,11 +207,15 @@ def main() -> int:
                       file=sys.stderr)
         model.eval()
 
+    if args.vocab_size:
+        model = pad_vocab(model, cfg, args.vocab_size, tok)
+
     model.generation_config.do_sample = False
     model.generation_config.eos_token_id = ids["<|endoftext|>"]
     model.generation_config.pad_token_id = ids["<|endoftext|>"]
     model.to(dtype).save_pretrained(out, safe_serialization=True)
-    print(f"wrote {out} ({args.dtype}, vocab {cfg.vocab_size}, {regular} regular tokens)")
+    print(f"wrote {out} ({args.dtype}, vocab {model.config.vocab_size}, {regular} regular "
+          "tokens)")
     return 0
 
 

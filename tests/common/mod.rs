@@ -11,7 +11,11 @@ pub fn vectors_dir() -> PathBuf {
     let dir = std::env::var_os("KLLM_VECTORS")
         .map(PathBuf::from)
         .unwrap_or_else(|| here.join("../shared/vectors"));
-    assert!(dir.is_dir(), "test vectors not found at {} (set KLLM_VECTORS)", dir.display());
+    assert!(
+        dir.is_dir(),
+        "test vectors not found at {} (set KLLM_VECTORS)",
+        dir.display()
+    );
     dir
 }
 
@@ -35,7 +39,10 @@ impl Case {
     pub fn key_file(&self) -> (PathBuf, Option<String>) {
         let pass = self.dir.join("passphrase.txt");
         if pass.is_file() {
-            let p = std::fs::read_to_string(pass).unwrap().trim_end_matches('\n').to_string();
+            let p = std::fs::read_to_string(pass)
+                .unwrap()
+                .trim_end_matches('\n')
+                .to_string();
             (self.dir.join("key.json"), Some(p))
         } else {
             (self.dir.join("kllm.key"), None)
@@ -51,7 +58,10 @@ pub fn cases() -> Vec<Case> {
         .map(|e| Case {
             name: e.file_name().to_string_lossy().into_owned(),
             dir: e.path(),
-            expect: serde_json::from_str(&std::fs::read_to_string(e.path().join("expect.json")).unwrap()).unwrap(),
+            expect: serde_json::from_str(
+                &std::fs::read_to_string(e.path().join("expect.json")).unwrap(),
+            )
+            .unwrap(),
         })
         .collect();
     out.sort_by(|a, b| a.name.cmp(&b.name));
@@ -68,7 +78,10 @@ pub fn tree(root: &Path) -> BTreeMap<String, PathBuf> {
             if p.is_dir() {
                 go(root, &p, out);
             } else {
-                out.insert(p.strip_prefix(root).unwrap().to_string_lossy().into_owned(), p);
+                out.insert(
+                    p.strip_prefix(root).unwrap().to_string_lossy().into_owned(),
+                    p,
+                );
             }
         }
     }
@@ -81,14 +94,16 @@ pub fn tree(root: &Path) -> BTreeMap<String, PathBuf> {
 /// the header as parsed JSON and the rest byte for byte, anything else byte for byte.
 pub fn assert_same_file(rel: &str, got: &[u8], want: &[u8]) {
     if rel.ends_with(".json") {
-        let g: Value = serde_json::from_slice(got).unwrap_or_else(|e| panic!("{rel}: view is not JSON: {e}"));
+        let g: Value =
+            serde_json::from_slice(got).unwrap_or_else(|e| panic!("{rel}: view is not JSON: {e}"));
         let w: Value = serde_json::from_slice(want).unwrap();
         assert_eq!(g, w, "{rel}: JSON differs");
     } else if rel.ends_with(".safetensors") {
         assert_eq!(got.len(), want.len(), "{rel}: size differs");
         let n = u64::from_le_bytes(want[..8].try_into().unwrap()) as usize;
         assert_eq!(&got[..8], &want[..8], "{rel}: header length differs");
-        let g: Value = serde_json::from_slice(&got[8..8 + n]).unwrap_or_else(|e| panic!("{rel}: header not JSON: {e}"));
+        let g: Value = serde_json::from_slice(&got[8..8 + n])
+            .unwrap_or_else(|e| panic!("{rel}: header not JSON: {e}"));
         let w: Value = serde_json::from_slice(&want[8..8 + n]).unwrap();
         assert_eq!(g, w, "{rel}: header differs");
         if let Some(i) = (8 + n..want.len()).find(|&i| got[i] != want[i]) {

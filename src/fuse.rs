@@ -1,0 +1,203 @@
+//! The kernel edge: a thin `fuser` adapter that hands every request to the view.
+
+use std::ffi::OsStr;
+use std::sync::Arc;
+use std::time::Duration;
+
+use fuser::{
+    Errno, FileAttr, FileHandle, FileType, Filesystem, FopenFlags, Generation, INodeNo,
+    KernelConfig, LockOwner, OpenAccMode, OpenFlags, ReplyAttr, ReplyData, ReplyDirectory,
+    ReplyEntry, ReplyOpen, ReplyStatfs, ReplyXattr, Request,
+};
+
+use crate::shard::ReadError;
+use crate::view::{Ino, Kind, View};
+
+/// The view never changes while mounted, so the kernel may cache everything for long.
+const TTL: Duration = Duration::from_secs(3600);
+/// Large reads amortize the round trip to the daemon; the kernel caps them at its own
+/// maximum.
+const MAX_READAHEAD: u32 = 1 << 20;
+const MAX_BACKGROUND: u16 = 64;
+
+pub struct KllmFs {
+    view: Arc<View>,
+}
+
+impl KllmFs {
+    pub fn new(view: Arc<View>) -> KllmFs {
+        KllmFs { view }
+    }
+
+    fn attr(&self, ino: Ino) -> Option<FileAttr> {
+        let a = self.view.node(ino)?.attr;
+        let (kind, nlink) = match a.kind {
+            Kind::Dir => (FileType::Directory, 2),
+            Kind::File => (FileType::RegularFile, 1),
+        };
+        Some(FileAttr {
+            ino: INodeNo(ino),
+            size: a.size,
+            blocks: a.size.div_ceil(512),
+            atime: a.atime,
+            mtime: a.mtime,
+            ctime: a.ctime,
+            crtime: a.ctime,
+            kind,
+            perm: a.perm,
+            nlink,
+            uid: a.uid,
+            gid: a.gid,
+            rdev: 0,
+            blksize: 1 << 20,
+            flags: 0,
+        })
+    }
+}
+
+impl Filesystem for KllmFs {
+    fn init(&mut self, _req: &Request, config: &mut KernelConfig) -> std::io::Result<()> {
+        if let Err(max) = config.set_max_readahead(MAX_READAHEAD) {
+            let _ = config.set_max_readahead(max);
+        }
+        let _ = config.set_max_background(MAX_BACKGROUND);
+        Ok(())
+    }
+
+    fn lookup(&self, _req: &Request, parent: INodeNo, name: &OsStr, reply: ReplyEntry) {
+        match self
+            .view
+            .lookup(parent.0, name)
+            .and_then(|ino| self.attr(ino))
+        {
+            Some(attr) => reply.entry(&TTL, &attr, Generation(0)),
+            None => reply.error(Errno::ENOENT),
+        }
+    }
+
+    fn getattr(&self, _req: &Request, ino: INodeNo, _fh: Option<FileHandle>, reply: ReplyAttr) {
+        match self.attr(ino.0) {
+            Some(attr) => reply.attr(&TTL, &attr),
+            None => reply.error(Errno::ENOENT),
+        }
+    }
+
+    fn open(&self, _req: &Request, ino: INodeNo, flags: OpenFlags, reply: ReplyOpen) {
+        match self.view.node(ino.0).map(|n| n.attr.kind) {
+            None => reply.error(Errno::ENOENT),
+            Some(Kind::Dir) => reply.error(Errno::EISDIR),
+            Some(Kind::File) if flags.acc_mode() != OpenAccMode::O_RDONLY => {
+                reply.error(Errno::EROFS)
+            }
+            // The view is immutable: pages the kernel cached stay valid across opens.
+            Some(Kind::File) => reply.opened(FileHandle(0), FopenFlags::FOPEN_KEEP_CACHE),
+        }
+    }
+
+    fn read(
+        &self,
+        _req: &Request,
+        ino: INodeNo,
+        _fh: FileHandle,
+        offset: u64,
+        size: u32,
+        _flags: OpenFlags,
+        _lock_owner: Option<LockOwner>,
+        reply: ReplyData,
+    ) {
+        match self.view.read(ino.0, offset, size as usize) {
+            Ok(data) => reply.data(&data),
+            Err(e) => {
+                let errno = match &e {
+                    ReadError::Io(io) if io.raw_os_error() == Some(libc::EISDIR) => Errno::EISDIR,
+                    ReadError::Io(io) if io.raw_os_error() == Some(libc::ENOENT) => Errno::ENOENT,
+                    _ => Errno::EIO,
+                };
+                log::error!(
+                    "read of {} at {offset} (+{size}) failed: {e}",
+                    self.view.path_of(ino.0)
+                );
+                reply.error(errno);
+            }
+        }
+    }
+
+    fn opendir(&self, _req: &Request, ino: INodeNo, _flags: OpenFlags, reply: ReplyOpen) {
+        match self.view.children(ino.0) {
+            Some(_) => reply.opened(
+                FileHandle(0),
+                FopenFlags::FOPEN_KEEP_CACHE | FopenFlags::FOPEN_CACHE_DIR,
+            ),
+            None => reply.error(Errno::ENOTDIR),
+        }
+    }
+
+    fn readdir(
+        &self,
+        _req: &Request,
+        ino: INodeNo,
+        _fh: FileHandle,
+        offset: u64,
+        mut reply: ReplyDirectory,
+    ) {
+        let Some(children) = self.view.children(ino.0) else {
+            return reply.error(Errno::ENOTDIR);
+        };
+        let parent = self.view.node(ino.0).map_or(ino.0, |n| n.parent);
+        let dots = [
+            (OsStr::new("."), ino.0, Kind::Dir),
+            (OsStr::new(".."), parent, Kind::Dir),
+        ];
+        let entries = dots.into_iter().chain(children.iter().map(|(name, child)| {
+            let kind = self.view.node(*child).map_or(Kind::File, |n| n.attr.kind);
+            (name.as_os_str(), *child, kind)
+        }));
+        for (i, (name, child, kind)) in entries.enumerate().skip(offset as usize) {
+            let ft = if kind == Kind::Dir {
+                FileType::Directory
+            } else {
+                FileType::RegularFile
+            };
+            if reply.add(INodeNo(child), i as u64 + 1, ft, name) {
+                break;
+            }
+        }
+        reply.ok();
+    }
+
+    fn statfs(&self, _req: &Request, _ino: INodeNo, reply: ReplyStatfs) {
+        let bytes: u64 = (1..=self.view.len() as Ino)
+            .filter_map(|i| self.view.node(i))
+            .map(|n| n.attr.size)
+            .sum();
+        reply.statfs(
+            bytes.div_ceil(4096),
+            0,
+            0,
+            self.view.len() as u64,
+            0,
+            4096,
+            255,
+            4096,
+        );
+    }
+
+    fn getxattr(
+        &self,
+        _req: &Request,
+        _ino: INodeNo,
+        _name: &OsStr,
+        _size: u32,
+        reply: ReplyXattr,
+    ) {
+        reply.error(Errno::ENODATA);
+    }
+
+    fn listxattr(&self, _req: &Request, _ino: INodeNo, size: u32, reply: ReplyXattr) {
+        if size == 0 {
+            reply.size(0);
+        } else {
+            reply.data(&[]);
+        }
+    }
+}
