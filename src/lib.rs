@@ -10,3 +10,4 @@ pub mod fuse;
 pub mod sealed;
 pub mod shard;
 pub mod view;
+pub mod testseal;
