@@ -9,5 +9,5 @@ pub mod cli;
 pub mod fuse;
 pub mod sealed;
 pub mod shard;
-pub mod view;
 pub mod testseal;
+pub mod view;

@@ -70,8 +70,16 @@ impl From<io::Error> for ReadError {
     }
 }
 
-/// The parsed `kllm.lock` document: tensor name to (version, domain, codec name).
-fn lock_entries(path: &Path, text: &str) -> Result<Vec<(String, Version, u64, Option<String>)>> {
+/// One entry of `kllm.lock`: a v1 domain, or a v2 domain and format name.
+struct LockEntry {
+    name: String,
+    version: Version,
+    m: u64,
+    format: Option<String>,
+}
+
+/// The parsed `kllm.lock` document.
+fn lock_entries(path: &Path, text: &str) -> Result<Vec<LockEntry>> {
     let bad = |msg: String| Error::at(path, format!("{LOCK_META}: {msg}"));
     let doc: Value = serde_json::from_str(text).map_err(|e| bad(format!("not JSON ({e})")))?;
     let Value::Object(doc) = doc else {
@@ -89,7 +97,12 @@ fn lock_entries(path: &Path, text: &str) -> Result<Vec<(String, Version, u64, Op
                     Some((Some(m), Some(fmt))) => (m, fmt),
                     _ => return Err(bad(format!("entry of {name:?} is not [domain, format]"))),
                 };
-                out.push((name.clone(), Version::V2, m, Some(fmt.to_string())));
+                out.push(LockEntry {
+                    name: name.clone(),
+                    version: Version::V2,
+                    m,
+                    format: Some(fmt.to_string()),
+                });
             }
         }
         Some(other) => {
@@ -106,7 +119,12 @@ fn lock_entries(path: &Path, text: &str) -> Result<Vec<(String, Version, u64, Op
                 let m = entry
                     .as_u64()
                     .ok_or_else(|| bad(format!("v1 entry of {name:?} is not a domain size")))?;
-                out.push((name.clone(), Version::V1, m, None));
+                out.push(LockEntry {
+                    name: name.clone(),
+                    version: Version::V1,
+                    m,
+                    format: None,
+                });
             }
         }
     }
@@ -192,7 +210,13 @@ impl Shard {
         };
         let mut locked = Vec::new();
         if let Some(lock_text) = &lock_text {
-            for (name, version, m, fmt) in lock_entries(path, lock_text)? {
+            for LockEntry {
+                name,
+                version,
+                m,
+                format: fmt,
+            } in lock_entries(path, lock_text)?
+            {
                 let info = meta.info(&name).ok_or_else(|| {
                     Error::at(
                         path,

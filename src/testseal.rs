@@ -58,7 +58,8 @@ pub fn safetensors_bytes(tensors: &[Tensor], metadata: &serde_json::Map<String, 
 /// Parse a safetensors file into its metadata and tensors (in offset order).
 pub fn read_safetensors(path: &Path) -> Result<(serde_json::Map<String, Value>, Vec<Tensor>)> {
     let bytes = fs::read(path).map_err(|e| Error::at(path, e))?;
-    let (n, meta) = safetensors::SafeTensors::read_metadata(&bytes).map_err(|e| Error::at(path, format!("{e:?}")))?;
+    let (n, meta) = safetensors::SafeTensors::read_metadata(&bytes)
+        .map_err(|e| Error::at(path, format!("{e:?}")))?;
     let meta: Metadata = meta;
     let data = &bytes[8 + n..];
     let mut tensors = Vec::new();
@@ -94,7 +95,9 @@ pub fn v2_codec(t: &Tensor, fp4: bool) -> Option<Codec> {
     }
     match t.dtype {
         Dtype::F8_E8M0 => Some(Codec::E8m0),
-        Dtype::I16 | Dtype::I32 | Dtype::I64 => Codec::v2("index", t.dtype).filter(|c| c.domain_of(&t.data).is_some()),
+        Dtype::I16 | Dtype::I32 | Dtype::I64 => {
+            Codec::v2("index", t.dtype).filter(|c| c.domain_of(&t.data).is_some())
+        }
         d => Codec::float(d),
     }
 }
@@ -124,9 +127,12 @@ pub fn lock_tensors(
             Version::V2 => v2_codec(t, fp4(&t.name)),
         };
         let Some(codec) = codec else { continue };
-        let m = codec
-            .domain_of(&t.data)
-            .ok_or_else(|| Error::new(format!("{}: cannot lock a tensor holding inf, NaN or negative indices", t.name)))?;
+        let m = codec.domain_of(&t.data).ok_or_else(|| {
+            Error::new(format!(
+                "{}: cannot lock a tensor holding inf, NaN or negative indices",
+                t.name
+            ))
+        })?;
         let lock = TensorLock::new(key, version, codec, m, &tensor_id(shard_dir, &t.name));
         lock.encode(0, &mut t.data)
             .map_err(|e| Error::new(format!("{}: value {} outside its domain", t.name, e.unit)))?;
@@ -147,12 +153,21 @@ pub fn lock_tensors(
 }
 
 /// Lock one shard file in place.
-pub fn lock_file(path: &Path, rel: &Path, key: &ModelKey, version: Version, fp4_experts: bool) -> Result<()> {
+pub fn lock_file(
+    path: &Path,
+    rel: &Path,
+    key: &ModelKey,
+    version: Version,
+    fp4_experts: bool,
+) -> Result<()> {
     let (mut meta, mut tensors) = read_safetensors(path)?;
     if meta.contains_key(LOCK_META) {
         return Err(Error::at(path, "is already locked"));
     }
-    let dir = rel.parent().map(|p| p.to_string_lossy().into_owned()).unwrap_or_default();
+    let dir = rel
+        .parent()
+        .map(|p| p.to_string_lossy().into_owned())
+        .unwrap_or_default();
     let fp4 = |name: &str| fp4_experts && name.contains(".experts.");
     if let Some(doc) = lock_tensors(&mut tensors, key, version, &dir, &fp4)? {
         meta.insert(LOCK_META.into(), Value::String(doc));
@@ -191,15 +206,19 @@ fn meta_file(dir: &Path) -> (PathBuf, bool) {
 }
 
 fn write_json(path: &Path, doc: &Value) -> Result<()> {
-    fs::write(path, serde_json::to_string_pretty(doc).expect("JSON")).map_err(|e| Error::at(path, e))
+    fs::write(path, serde_json::to_string_pretty(doc).expect("JSON"))
+        .map_err(|e| Error::at(path, e))
 }
 
 fn set_lock_flag(dir: &Path, version: Option<Version>) -> Result<()> {
     let (path, pipeline) = meta_file(dir);
-    let mut doc: Value = serde_json::from_str(&fs::read_to_string(&path).map_err(|e| Error::at(&path, e))?)
-        .map_err(|e| Error::at(&path, e))?;
+    let mut doc: Value =
+        serde_json::from_str(&fs::read_to_string(&path).map_err(|e| Error::at(&path, e))?)
+            .map_err(|e| Error::at(&path, e))?;
     let meta = if pipeline { &mut doc } else { &mut doc["kllm"] };
-    let obj = meta.as_object_mut().ok_or_else(|| Error::at(&path, "no seal metadata"))?;
+    let obj = meta
+        .as_object_mut()
+        .ok_or_else(|| Error::at(&path, "no seal metadata"))?;
     match version {
         Some(v) => obj.insert("lock".into(), json!(v.label())),
         None => obj.shift_remove("lock"),
@@ -228,13 +247,20 @@ pub fn lock_dir(dir: &Path, key: &ModelKey, version: Version) -> Result<()> {
 
 /// Seal a plain checkpoint `src` into `dst`: secret files into `trusted.kllm`, seal
 /// metadata into `config.json` (or `kllm.json` for pipelines), shards locked with `lock`.
-pub fn seal_dir(src: &Path, dst: &Path, key: &ModelKey, lock: Option<Version>, salt: [u8; 16]) -> Result<()> {
+pub fn seal_dir(
+    src: &Path,
+    dst: &Path,
+    key: &ModelKey,
+    lock: Option<Version>,
+    salt: [u8; 16],
+) -> Result<()> {
     let pipeline = src.join("model_index.json").is_file();
     let mut secrets = Vec::new();
     for rel in files_under(src) {
         let name = rel.file_name().and_then(|n| n.to_str()).unwrap_or("");
         let parent = rel.parent().and_then(|p| p.to_str()).unwrap_or("");
-        let secret = SECRET_NAMES.contains(&name) && (parent.is_empty() || (pipeline && SECRET_DIRS.contains(&parent)));
+        let secret = SECRET_NAMES.contains(&name)
+            && (parent.is_empty() || (pipeline && SECRET_DIRS.contains(&parent)));
         let from = src.join(&rel);
         if secret {
             secrets.push(Tensor {
@@ -281,7 +307,8 @@ pub fn seal_dir(src: &Path, dst: &Path, key: &ModelKey, lock: Option<Version>, s
         safetensors_bytes(&secrets, &serde_json::Map::new())
     };
     let blob_path = dst.join(blob::FILE_NAME);
-    fs::write(&blob_path, blob::seal(&payload, key, salt, blob::MAX_CHUNK)).map_err(|e| Error::at(&blob_path, e))?;
+    fs::write(&blob_path, blob::seal(&payload, key, salt, blob::MAX_CHUNK))
+        .map_err(|e| Error::at(&blob_path, e))?;
     if let Some(v) = lock {
         lock_dir(dst, key, v)?;
     }
@@ -353,7 +380,10 @@ pub fn write_sample_model(dir: &Path, hidden: usize, layers: usize) -> Result<()
     }]];
     let mut last = Vec::new();
     for l in 0..layers {
-        for (i, (name, rows)) in [("self_attn.q_proj", hidden), ("mlp.up_proj", hidden * 2)].into_iter().enumerate() {
+        for (i, (name, rows)) in [("self_attn.q_proj", hidden), ("mlp.up_proj", hidden * 2)]
+            .into_iter()
+            .enumerate()
+        {
             last.push(Tensor {
                 name: format!("model.layers.{l}.{name}.weight"),
                 dtype: Dtype::BF16,
@@ -375,18 +405,27 @@ pub fn write_sample_model(dir: &Path, hidden: usize, layers: usize) -> Result<()
         let name = format!("model-{:05}-of-{:05}.safetensors", i + 1, total);
         let mut md = serde_json::Map::new();
         md.insert("format".into(), json!("pt"));
-        fs::write(dir.join(&name), safetensors_bytes(tensors, &md)).map_err(|e| Error::at(dir, e))?;
+        fs::write(dir.join(&name), safetensors_bytes(tensors, &md))
+            .map_err(|e| Error::at(dir, e))?;
         for t in tensors {
             weight_map.insert(t.name.clone(), json!(name));
         }
     }
-    write_json(&dir.join("model.safetensors.index.json"), &json!({"metadata": {}, "weight_map": weight_map}))?;
-    let tokens: serde_json::Map<String, Value> = (0..vocab).map(|i| (format!("t{i}"), json!(i))).collect();
+    write_json(
+        &dir.join("model.safetensors.index.json"),
+        &json!({"metadata": {}, "weight_map": weight_map}),
+    )?;
+    let tokens: serde_json::Map<String, Value> =
+        (0..vocab).map(|i| (format!("t{i}"), json!(i))).collect();
     write_json(&dir.join("vocab.json"), &Value::Object(tokens.clone()))?;
     write_json(
         &dir.join("tokenizer.json"),
         &json!({"version": "1.0", "model": {"type": "BPE", "vocab": tokens, "merges": []}}),
     )?;
-    fs::write(dir.join("tokenizer_config.json"), "{\"model_max_length\": 512}").map_err(|e| Error::at(dir, e))?;
+    fs::write(
+        dir.join("tokenizer_config.json"),
+        "{\"model_max_length\": 512}",
+    )
+    .map_err(|e| Error::at(dir, e))?;
     Ok(())
 }
