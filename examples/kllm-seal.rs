@@ -15,7 +15,10 @@ use kllm_mount::testseal;
 use zeroize::Zeroizing;
 
 #[derive(Parser)]
-#[command(name = "kllm-seal", about = "kllm-mount's test sealer (lock v1/v2, trusted.kllm)")]
+#[command(
+    name = "kllm-seal",
+    about = "kllm-mount's test sealer (lock v1/v2, trusted.kllm)"
+)]
 struct Cli {
     #[command(subcommand)]
     cmd: Cmd,
@@ -57,7 +60,9 @@ enum Cmd {
 fn version(s: &str) -> Option<Version> {
     match s {
         "none" => None,
-        v => Some(Version::parse(v).unwrap_or_else(|| die(&format!("--lock {v}: use v1, v2 or none")))),
+        v => Some(
+            Version::parse(v).unwrap_or_else(|| die(&format!("--lock {v}: use v1, v2 or none"))),
+        ),
     }
 }
 
@@ -75,13 +80,16 @@ fn random_bytes<const N: usize>() -> [u8; N] {
 }
 
 fn load_key(path: &Path) -> ModelKey {
-    let text = std::fs::read_to_string(path).unwrap_or_else(|e| die(&format!("{}: {e}", path.display())));
-    key::parse_key_file(path, &text, || key::passphrase_from_env_or_prompt(path)).unwrap_or_else(|e| die(&e.to_string()))
+    let text =
+        std::fs::read_to_string(path).unwrap_or_else(|e| die(&format!("{}: {e}", path.display())));
+    key::parse_key_file(path, &text, || key::passphrase_from_env_or_prompt(path))
+        .unwrap_or_else(|e| die(&e.to_string()))
 }
 
 fn write_key(path: &Path, k: &ModelKey) {
     let text = Zeroizing::new(testseal::open_key_file(k));
-    std::fs::write(path, text.as_bytes()).unwrap_or_else(|e| die(&format!("{}: {e}", path.display())));
+    std::fs::write(path, text.as_bytes())
+        .unwrap_or_else(|e| die(&format!("{}: {e}", path.display())));
 }
 
 fn main() {
@@ -92,16 +100,32 @@ fn main() {
             println!("{}", k.fingerprint());
             Ok(())
         }
-        Cmd::Sample { out, lock, hidden, layers } => {
+        Cmd::Sample {
+            out,
+            lock,
+            hidden,
+            layers,
+        } => {
             let k = ModelKey::new(random_bytes());
-            std::fs::create_dir_all(&out).unwrap_or_else(|e| die(&format!("{}: {e}", out.display())));
+            std::fs::create_dir_all(&out)
+                .unwrap_or_else(|e| die(&format!("{}: {e}", out.display())));
             write_key(&out.join("kllm.key"), &k);
-            testseal::write_sample_model(&out.join("plain"), hidden, layers)
-                .and_then(|_| testseal::seal_dir(&out.join("plain"), &out.join("sealed"), &k, version(&lock), random_bytes()))
+            testseal::write_sample_model(&out.join("plain"), hidden, layers).and_then(|_| {
+                testseal::seal_dir(
+                    &out.join("plain"),
+                    &out.join("sealed"),
+                    &k,
+                    version(&lock),
+                    random_bytes(),
+                )
+            })
         }
-        Cmd::Seal { src, dst, key, lock } => {
-            testseal::seal_dir(&src, &dst, &load_key(&key), version(&lock), random_bytes())
-        }
+        Cmd::Seal {
+            src,
+            dst,
+            key,
+            lock,
+        } => testseal::seal_dir(&src, &dst, &load_key(&key), version(&lock), random_bytes()),
         Cmd::Lock { dir, key, lock } => match version(&lock) {
             Some(v) => testseal::lock_dir(&dir, &load_key(&key), v),
             None => die("lock needs --lock v1 or v2"),

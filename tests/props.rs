@@ -63,7 +63,13 @@ struct Case {
 }
 
 fn case() -> impl Strategy<Value = Case> {
-    let tensor = (0..DTYPES.len(), 0usize..300, proptest::collection::vec(any::<u8>(), 1..64), any::<u64>(), 0usize..3);
+    let tensor = (
+        0..DTYPES.len(),
+        0usize..300,
+        proptest::collection::vec(any::<u8>(), 1..64),
+        any::<u64>(),
+        0usize..3,
+    );
     (
         prop_oneof![Just(Version::V1), Just(Version::V2)],
         proptest::collection::vec(tensor, 1..6),
@@ -143,7 +149,12 @@ proptest! {
 #[test]
 fn tensor_ids_are_scoped_by_folder() {
     let key = ModelKey::new([3; 32]);
-    let t = Tensor { name: "w".into(), dtype: Dtype::BF16, shape: vec![64], data: plain_values(Dtype::BF16, 64, &[1, 2, 3], 0x3F80) };
+    let t = Tensor {
+        name: "w".into(),
+        dtype: Dtype::BF16,
+        shape: vec![64],
+        data: plain_values(Dtype::BF16, 64, &[1, 2, 3], 0x3F80),
+    };
     let (mut a, mut b) = (vec![t.clone()], vec![t]);
     lock_tensors(&mut a, &key, Version::V2, "", &|_| false).unwrap();
     lock_tensors(&mut b, &key, Version::V2, "transformer", &|_| false).unwrap();
