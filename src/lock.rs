@@ -6,6 +6,7 @@
 //! a tensor decodes on its own.
 
 use aes::cipher::{KeyIvInit, StreamCipher, StreamCipherSeek};
+
 use safetensors::Dtype;
 
 use crate::key::{ModelKey, Secret};
@@ -231,37 +232,31 @@ impl TensorLock {
         }
     }
 
-    /// Offsets in `[0, span)` of codes `[first, first + out.len())`.
-    fn offsets(&self, first: u64, out: &mut [u64], stream: &mut Vec<u8>) {
-        let width = if self.wide { 8 } else { 4 };
-        let n = out.len();
-        stream.clear();
-        stream.resize(n * width, 0);
-        let pos = first * width as u64;
+    /// Key stream bytes for codes `[first_code, ...)` into `ks` (`width` bytes a code).
+    fn keystream(&self, first_code: u64, ks: &mut [u8]) {
+        ks.fill(0);
+        let pos = first_code * self.stream_width() as u64;
         match self.version {
             Version::V1 => {
                 let mut c = Aes256Ctr::new(self.stream_key.bytes().into(), &[0u8; 16].into());
                 c.seek(pos);
-                c.apply_keystream(stream);
+                c.apply_keystream(ks);
             }
             Version::V2 => {
+                use chacha20::cipher::{KeyIvInit as _, StreamCipher as _, StreamCipherSeek as _};
                 let mut c =
                     chacha20::ChaCha20::new(self.stream_key.bytes().into(), &[0u8; 12].into());
                 c.seek(pos);
-                c.apply_keystream(stream);
+                c.apply_keystream(ks);
             }
         }
-        let span = self.span;
+    }
+
+    fn stream_width(&self) -> usize {
         if self.wide {
-            for (o, w) in out.iter_mut().zip(stream.chunks_exact(8)) {
-                let v = u64::from_le_bytes(w.try_into().expect("8 bytes"));
-                *o = (v & 0x7FFF_FFFF_FFFF_FFFF) % span;
-            }
+            8
         } else {
-            for (o, w) in out.iter_mut().zip(stream.chunks_exact(4)) {
-                let v = u32::from_le_bytes(w.try_into().expect("4 bytes")) as u64;
-                *o = (v * span) >> 32;
-            }
+            4
         }
     }
 
@@ -288,89 +283,255 @@ impl TensorLock {
     fn shift(&self, first_unit: u64, buf: &mut [u8], lock: bool) -> Result<(), OutOfDomain> {
         let ub = self.codec.unit_bytes();
         assert_eq!(buf.len() % ub, 0, "whole units only");
-        let (m, span) = (self.m, self.span);
-        let apply = |idx: u64, off: u64| -> u64 {
-            if lock {
-                let v = idx + off;
-                if v >= span {
-                    v - span
-                } else {
-                    v
-                }
-            } else if idx >= off {
-                idx - off
-            } else {
-                idx + span - off
-            }
-        };
         let cpu = self.codec.codes_per_unit() as usize;
+        let width = self.stream_width();
         let units_per_batch = BATCH / cpu;
-        let mut offs = vec![0u64; BATCH];
-        let mut stream = Vec::with_capacity(BATCH * 8);
-        for (b, part) in buf.chunks_mut(units_per_batch * ub).enumerate() {
-            let unit0 = first_unit + (b * units_per_batch) as u64;
-            let n_units = part.len() / ub;
-            let offs = &mut offs[..n_units * cpu];
-            self.offsets(unit0 * cpu as u64, offs, &mut stream);
-            let bad = |i: usize| OutOfDomain {
-                unit: unit0 + i as u64,
-            };
-            match self.codec {
-                Codec::Float { bits, .. } => {
-                    let sign_bit = 1u64 << (bits - 1);
-                    for (i, (v, &off)) in part.chunks_exact_mut(ub).zip(offs.iter()).enumerate() {
-                        let mut raw = [0u8; 8];
-                        raw[..ub].copy_from_slice(v);
-                        let code = u64::from_le_bytes(raw);
-                        let mag = code & (sign_bit - 1);
-                        if mag >= m {
-                            return Err(bad(i));
-                        }
-                        let idx = apply(mag + (code >> (bits - 1)) * m, off);
-                        let res = if idx >= m { (idx - m) | sign_bit } else { idx };
-                        v.copy_from_slice(&res.to_le_bytes()[..ub]);
+        KEYSTREAM.with(|cell| {
+            let mut ks = cell.borrow_mut();
+            for (b, part) in buf.chunks_mut(units_per_batch * ub).enumerate() {
+                let unit0 = first_unit + (b * units_per_batch) as u64;
+                let n_codes = part.len() / ub * cpu;
+                ks.resize(n_codes * width, 0);
+                let ks = &mut ks[..n_codes * width];
+                self.keystream(unit0 * cpu as u64, ks);
+                let k = Kernel {
+                    m: self.m,
+                    span: self.span,
+                };
+                let bad = match (self.codec, self.wide, lock) {
+                    (Codec::Float { bits: 8, .. }, false, false) => {
+                        k.float::<1, false, false>(part, ks)
                     }
-                }
-                Codec::Fp4x2 => {
-                    for (i, (v, off)) in part.iter_mut().zip(offs.chunks_exact(2)).enumerate() {
-                        let src = *v;
-                        let mut res = 0u8;
-                        for (k, &o) in off.iter().enumerate() {
-                            let code = ((src >> (4 * k)) & 0xF) as u64;
-                            let mag = code & 7;
-                            if mag >= m {
-                                return Err(bad(i));
-                            }
-                            let idx = apply(mag + (code >> 3) * m, o);
-                            let nib = if idx >= m { (idx - m) | 8 } else { idx };
-                            res |= (nib as u8) << (4 * k);
-                        }
-                        *v = res;
+                    (Codec::Float { bits: 8, .. }, true, false) => {
+                        k.float::<1, true, false>(part, ks)
                     }
-                }
-                Codec::E8m0 => {
-                    for (i, (v, &off)) in part.iter_mut().zip(offs.iter()).enumerate() {
-                        if *v as u64 >= m {
-                            return Err(bad(i));
-                        }
-                        *v = apply(*v as u64, off) as u8;
+                    (Codec::Float { bits: 8, .. }, false, true) => {
+                        k.float::<1, false, true>(part, ks)
                     }
-                }
-                Codec::Index { bytes } => {
-                    for (i, (v, &off)) in part.chunks_exact_mut(ub).zip(offs.iter()).enumerate() {
-                        let mut raw = [0u8; 8];
-                        raw[..ub].copy_from_slice(v);
-                        let x = sign_extend(u64::from_le_bytes(raw), bytes);
-                        if x < 0 || x as u64 >= m {
-                            return Err(bad(i));
-                        }
-                        let res = apply(x as u64, off);
-                        v.copy_from_slice(&res.to_le_bytes()[..ub]);
+                    (Codec::Float { bits: 8, .. }, true, true) => {
+                        k.float::<1, true, true>(part, ks)
                     }
+                    (Codec::Float { bits: 16, .. }, false, false) => {
+                        k.float::<2, false, false>(part, ks)
+                    }
+                    (Codec::Float { bits: 16, .. }, true, false) => {
+                        k.float::<2, true, false>(part, ks)
+                    }
+                    (Codec::Float { bits: 16, .. }, false, true) => {
+                        k.float::<2, false, true>(part, ks)
+                    }
+                    (Codec::Float { bits: 16, .. }, true, true) => {
+                        k.float::<2, true, true>(part, ks)
+                    }
+                    (Codec::Float { .. }, false, false) => k.float::<4, false, false>(part, ks),
+                    (Codec::Float { .. }, true, false) => k.float::<4, true, false>(part, ks),
+                    (Codec::Float { .. }, false, true) => k.float::<4, false, true>(part, ks),
+                    (Codec::Float { .. }, true, true) => k.float::<4, true, true>(part, ks),
+                    (Codec::E8m0, w, l) => k.index::<1>(part, ks, w, l),
+                    (Codec::Index { bytes: 2 }, w, l) => k.index::<2>(part, ks, w, l),
+                    (Codec::Index { bytes: 4 }, w, l) => k.index::<4>(part, ks, w, l),
+                    (Codec::Index { .. }, w, l) => k.index::<8>(part, ks, w, l),
+                    (Codec::Fp4x2, _, l) => k.fp4(part, ks, l),
+                };
+                if let Some(i) = bad {
+                    return Err(OutOfDomain {
+                        unit: unit0 + i as u64,
+                    });
                 }
             }
+            Ok(())
+        })
+    }
+}
+
+thread_local! {
+    /// One batch of key stream per thread, reused across calls.
+    static KEYSTREAM: std::cell::RefCell<Vec<u8>> = const { std::cell::RefCell::new(Vec::new()) };
+}
+
+/// One sign-magnitude float kernel for a concrete value type `$v` and stream word `$w`,
+/// written with plain integer loads so the loop vectorizes.
+macro_rules! float_lanes {
+    ($k:expr, $part:expr, $ks:expr, $v:ty, u32, $lock:expr) => {{
+        // Narrow streams: every quantity fits 32 bits, so the loop maps onto 32-bit lanes
+        // (the stream word times span is a 32x32->64 multiply).
+        const VB: usize = std::mem::size_of::<$v>();
+        let shift = 8 * VB as u32 - 1;
+        let mag_mask: u32 = (1u32 << shift) - 1;
+        let (m, span) = ($k.m as u32, $k.span as u32);
+        for (v, w) in $part.chunks_exact_mut(VB).zip($ks.chunks_exact(4)) {
+            let code = <$v>::from_le_bytes(v.try_into().expect("value")) as u32;
+            let word = u32::from_le_bytes(w.try_into().expect("word"));
+            let off = ((word as u64 * span as u64) >> 32) as u32;
+            let idx = (code & mag_mask) + (code >> shift) * m;
+            let p = if $lock {
+                let t = idx as u64 + off as u64;
+                (if t >= span as u64 { t - span as u64 } else { t }) as u32
+            } else {
+                let (d, borrow) = idx.overflowing_sub(off);
+                d.wrapping_add(span * borrow as u32)
+            };
+            let high = (p >= m) as u32;
+            let res = p - m * high | high << shift;
+            v.copy_from_slice(&(res as $v).to_le_bytes());
         }
-        Ok(())
+    }};
+    ($k:expr, $part:expr, $ks:expr, $v:ty, u64, $lock:expr) => {{
+        const VB: usize = std::mem::size_of::<$v>();
+        let shift = 8 * VB as u64 - 1;
+        let mag_mask: u64 = (1u64 << shift) - 1;
+        let (m, span) = ($k.m, $k.span);
+        for (v, w) in $part.chunks_exact_mut(VB).zip($ks.chunks_exact(8)) {
+            let code = <$v>::from_le_bytes(v.try_into().expect("value")) as u64;
+            let word = u64::from_le_bytes(w.try_into().expect("word"));
+            let off = (word & 0x7FFF_FFFF_FFFF_FFFF) % span;
+            let idx = (code & mag_mask) + (code >> shift) * m;
+            let t = if $lock { idx + off } else { idx + span - off };
+            let p = if t >= span { t - span } else { t };
+            let high = (p >= m) as u64;
+            let res = p - m * high | high << shift;
+            v.copy_from_slice(&(res as $v).to_le_bytes());
+        }
+    }};
+}
+
+/// The per-value arithmetic, monomorphized by value width, stream width and direction so
+/// the inner loops have no branches the compiler cannot turn into selects.
+struct Kernel {
+    m: u64,
+    span: u64,
+}
+
+impl Kernel {
+    #[inline(always)]
+    fn offset<const WIDE: bool>(&self, ks: &[u8], i: usize) -> u64 {
+        let sw = if WIDE { 8 } else { 4 };
+        self.offset_of::<WIDE>(&ks[sw * i..sw * i + sw])
+    }
+
+    /// The offset a code's stream word gives: `word` is 4 bytes, or 8 when `WIDE`.
+    #[inline(always)]
+    fn offset_of<const WIDE: bool>(&self, word: &[u8]) -> u64 {
+        if WIDE {
+            let w = u64::from_le_bytes(word.try_into().expect("8 bytes"));
+            (w & 0x7FFF_FFFF_FFFF_FFFF) % self.span
+        } else {
+            let w = u32::from_le_bytes(word.try_into().expect("4 bytes")) as u64;
+            (w * self.span) >> 32
+        }
+    }
+
+    /// `(idx ± off) mod span`, both below `span`.
+    #[inline(always)]
+    fn apply<const LOCK: bool>(&self, idx: u64, off: u64) -> u64 {
+        let t = if LOCK {
+            idx + off
+        } else {
+            idx + self.span - off
+        };
+        if t >= self.span {
+            t - self.span
+        } else {
+            t
+        }
+    }
+
+    #[inline(always)]
+    fn load<const W: usize>(v: &[u8]) -> u64 {
+        let mut raw = [0u8; 8];
+        raw[..W].copy_from_slice(&v[..W]);
+        u64::from_le_bytes(raw)
+    }
+
+    /// Sign-magnitude values of `W` bytes. Returns the first value outside the domain,
+    /// checked before anything is changed.
+    fn float<const W: usize, const WIDE: bool, const LOCK: bool>(
+        &self,
+        part: &mut [u8],
+        ks: &[u8],
+    ) -> Option<usize> {
+        let sign_bit = 1u64 << (8 * W - 1);
+        let m = self.m;
+        if part
+            .chunks_exact(W)
+            .any(|v| Self::load::<W>(v) & (sign_bit - 1) >= m)
+        {
+            return part
+                .chunks_exact(W)
+                .position(|v| Self::load::<W>(v) & (sign_bit - 1) >= m);
+        }
+        match (W, WIDE) {
+            (1, false) => float_lanes!(self, part, ks, u8, u32, LOCK),
+            (2, false) => float_lanes!(self, part, ks, u16, u32, LOCK),
+            (4, false) => float_lanes!(self, part, ks, u32, u32, LOCK),
+            (1, true) => float_lanes!(self, part, ks, u8, u64, LOCK),
+            (2, true) => float_lanes!(self, part, ks, u16, u64, LOCK),
+            _ => float_lanes!(self, part, ks, u32, u64, LOCK),
+        }
+        None
+    }
+
+    /// Unsigned codes: E8M0 bytes and non-negative little-endian integers of `W` bytes.
+    fn index<const W: usize>(
+        &self,
+        part: &mut [u8],
+        ks: &[u8],
+        wide: bool,
+        lock: bool,
+    ) -> Option<usize> {
+        let m = self.m;
+        let code = |v: &[u8]| {
+            let raw = Self::load::<W>(v);
+            // Integers are signed on disk: a negative value sign-extends to a huge code.
+            sign_extend(raw, W) as u64
+        };
+        let unsigned = |v: &[u8]| if W == 1 { v[0] as u64 } else { code(v) };
+        if let Some(i) = part.chunks_exact(W).position(|v| unsigned(v) >= m) {
+            return Some(i);
+        }
+        for (i, v) in part.chunks_exact_mut(W).enumerate() {
+            let off = if wide {
+                self.offset::<true>(ks, i)
+            } else {
+                self.offset::<false>(ks, i)
+            };
+            let x = unsigned(v);
+            let p = if lock {
+                self.apply::<true>(x, off)
+            } else {
+                self.apply::<false>(x, off)
+            };
+            v.copy_from_slice(&p.to_le_bytes()[..W]);
+        }
+        None
+    }
+
+    /// Two 4-bit sign-magnitude codes a byte, low nibble first (code `2j` and `2j + 1`).
+    fn fp4(&self, part: &mut [u8], ks: &[u8], lock: bool) -> Option<usize> {
+        let m = self.m;
+        if let Some(i) = part
+            .iter()
+            .position(|&b| (b & 7) as u64 >= m || ((b >> 4) & 7) as u64 >= m)
+        {
+            return Some(i);
+        }
+        for (i, v) in part.iter_mut().enumerate() {
+            let mut res = 0u8;
+            for k in 0..2 {
+                let code = ((*v >> (4 * k)) & 0xF) as u64;
+                let idx = (code & 7) + if code & 8 != 0 { m } else { 0 };
+                let off = self.offset::<false>(ks, 2 * i + k);
+                let p = if lock {
+                    self.apply::<true>(idx, off)
+                } else {
+                    self.apply::<false>(idx, off)
+                };
+                let nib = if p >= m { (p - m) | 8 } else { p };
+                res |= (nib as u8) << (4 * k);
+            }
+            *v = res;
+        }
+        None
     }
 }
 
