@@ -47,6 +47,15 @@ fn nonce(index: u64) -> [u8; 12] {
     n
 }
 
+/// An error about the blob: `<model dir>: trusted.kllm <problem>`.
+fn bad(path: &Path, msg: impl std::fmt::Display) -> Error {
+    let dir = path
+        .parent()
+        .filter(|p| !p.as_os_str().is_empty())
+        .unwrap_or(Path::new("."));
+    Error::at(dir, format!("{FILE_NAME} {msg}"))
+}
+
 fn cipher(key: &ModelKey, salt: &[u8]) -> Aes256Gcm {
     let sub = key.derive(&format!("l1/trusted-blob/{}", hex::encode(salt)));
     Aes256Gcm::new_from_slice(sub.bytes()).expect("32-byte key")
@@ -55,39 +64,36 @@ fn cipher(key: &ModelKey, salt: &[u8]) -> Aes256Gcm {
 /// Split `data` into header bytes, parsed header, and chunk bytes; checks sizes only.
 pub fn parse_header<'a>(path: &Path, data: &'a [u8]) -> Result<(&'a [u8], Header, &'a [u8])> {
     if data.len() < MAGIC.len() + 4 || &data[..MAGIC.len()] != MAGIC {
-        return Err(Error::at(path, "not a kLLM trusted blob (bad magic)"));
+        return Err(bad(path, "is not a kLLM trusted blob (bad magic)"));
     }
     let hlen = u32::from_le_bytes(data[10..14].try_into().expect("4 bytes"));
     if hlen > MAX_HEADER || 14 + hlen as usize > data.len() {
-        return Err(Error::at(
-            path,
-            format!("header length {hlen} is impossible"),
-        ));
+        return Err(bad(path, format!("has an impossible header length {hlen}")));
     }
     let header_bytes = &data[14..14 + hlen as usize];
     let doc: Value = serde_json::from_slice(header_bytes)
-        .map_err(|e| Error::at(path, format!("header is not JSON ({e})")))?;
+        .map_err(|e| bad(path, format!("has a header that is not JSON ({e})")))?;
     let field = |name: &str| {
         doc.get(name)
-            .ok_or_else(|| Error::at(path, format!("header has no {name}")))
+            .ok_or_else(|| bad(path, format!("has no {name} in its header")))
     };
     let chunk = field("chunk")?
         .as_u64()
         .filter(|c| (1..=MAX_CHUNK).contains(c))
-        .ok_or_else(|| Error::at(path, format!("header chunk size is not in 1..={MAX_CHUNK}")))?;
+        .ok_or_else(|| bad(path, format!("has a chunk size outside 1..={MAX_CHUNK}")))?;
     let chunks = field("chunks")?
         .as_u64()
         .filter(|c| *c >= 1)
-        .ok_or_else(|| Error::at(path, "header chunk count is not a positive integer"))?;
+        .ok_or_else(|| bad(path, "has a chunk count that is not a positive integer"))?;
     let fingerprint = field("fingerprint")?
         .as_str()
-        .ok_or_else(|| Error::at(path, "header fingerprint is not a string"))?
+        .ok_or_else(|| bad(path, "has a fingerprint that is not a string"))?
         .to_string();
     let salt = field("salt")?
         .as_str()
         .and_then(|s| hex::decode(s).ok())
         .filter(|s| s.len() == 16)
-        .ok_or_else(|| Error::at(path, "header salt is not 16 bytes of hex"))?;
+        .ok_or_else(|| bad(path, "has a salt that is not 16 bytes of hex"))?;
     let body = &data[14 + hlen as usize..];
     let full = chunk + TAG;
     let body_len = body.len() as u64;
@@ -97,7 +103,7 @@ pub fn parse_header<'a>(path: &Path, data: &'a [u8]) -> Result<(&'a [u8], Header
     let max = chunks.checked_mul(full);
     match (min, max) {
         (Some(min), _) if body_len < min => {
-            return Err(Error::at(
+            return Err(bad(
                 path,
                 format!(
                     "is truncated: {chunks} chunks declared, {body_len} bytes of chunks present"
@@ -105,9 +111,9 @@ pub fn parse_header<'a>(path: &Path, data: &'a [u8]) -> Result<(&'a [u8], Header
             ))
         }
         (_, Some(max)) if body_len > max => {
-            return Err(Error::at(path, "has trailing data after its last chunk"))
+            return Err(bad(path, "has trailing data after its last chunk"))
         }
-        (None, _) => return Err(Error::at(path, "header chunk count is impossible")),
+        (None, _) => return Err(bad(path, "has an impossible chunk count")),
         _ => {}
     }
     Ok((
@@ -128,10 +134,10 @@ pub fn open(path: &Path, data: &[u8], key: &ModelKey) -> Result<Zeroizing<Vec<u8
     let (header_bytes, header, body) = parse_header(path, data)?;
     let ours = key.fingerprint();
     if header.fingerprint != ours {
-        return Err(Error::at(
+        return Err(bad(
             path,
             format!(
-                "sealed with key fingerprint {}, but the key given has fingerprint {ours}",
+                "was sealed with key fingerprint {}, but the key given has fingerprint {ours}",
                 header.fingerprint
             ),
         ));
@@ -152,7 +158,7 @@ pub fn open(path: &Path, data: &[u8], key: &ModelKey) -> Result<Zeroizing<Vec<u8
                 },
             )
             .map_err(|_| {
-                Error::at(
+                bad(
                     path,
                     format!(
                         "is corrupted or was modified (chunk {i} of {} failed authentication)",
@@ -162,7 +168,7 @@ pub fn open(path: &Path, data: &[u8], key: &ModelKey) -> Result<Zeroizing<Vec<u8
             })?,
         );
         if !last && plain.len() as u64 != header.chunk {
-            return Err(Error::at(path, format!("chunk {i} is short")));
+            return Err(bad(path, format!("has a short chunk {i}")));
         }
         out.extend_from_slice(&plain);
     }
@@ -172,15 +178,16 @@ pub fn open(path: &Path, data: &[u8], key: &ModelKey) -> Result<Zeroizing<Vec<u8
 /// The secret files of a decrypted payload (a safetensors archive of `file/<path>` tensors).
 pub fn secret_files(path: &Path, payload: &[u8]) -> Result<SecretFiles> {
     let archive = SafeTensors::deserialize(payload)
-        .map_err(|e| Error::at(path, format!("payload is not a safetensors archive ({e})")))?;
+        .map_err(|e| bad(path, format!("holds no safetensors archive ({e})")))?;
     let mut out = SecretFiles::new();
     for (name, view) in archive.iter() {
         let Some(rel) = name.strip_prefix(FILE_PREFIX) else {
             continue;
         };
-        check_relative(rel).map_err(|e| Error::at(path, format!("secret file {rel:?} {e}")))?;
+        check_relative(rel)
+            .map_err(|e| bad(path, format!("names secret file {rel:?}, which {e}")))?;
         if view.dtype() != Dtype::U8 {
-            return Err(Error::at(
+            return Err(bad(
                 path,
                 format!(
                     "secret file {rel:?} is stored as {:?}, not U8",
@@ -211,17 +218,16 @@ pub fn check_relative(rel: &str) -> std::result::Result<(), &'static str> {
 
 /// Read, authenticate and unpack `trusted.kllm`.
 pub fn read(path: &Path, key: &ModelKey) -> Result<SecretFiles> {
-    let meta =
-        std::fs::metadata(path).map_err(|e| Error::at(path, format!("cannot read ({e})")))?;
+    let meta = std::fs::metadata(path).map_err(|e| bad(path, format!("cannot be read ({e})")))?;
     // Bound memory before reading: the header's chunk size is checked in parse_header, and
     // a file far past 1 GiB holds no tokenizer.
     if meta.len() > 4 << 30 {
-        return Err(Error::at(
+        return Err(bad(
             path,
             "is larger than 4 GiB; refusing to decrypt it into memory",
         ));
     }
-    let data = std::fs::read(path).map_err(|e| Error::at(path, format!("cannot read ({e})")))?;
+    let data = std::fs::read(path).map_err(|e| bad(path, format!("cannot be read ({e})")))?;
     let payload = open(path, &data, key)?;
     secret_files(path, &payload)
 }

@@ -7,11 +7,11 @@
 use std::num::NonZeroUsize;
 use std::sync::Arc;
 
+use crate::secmem::SecureBuf;
 use lru::LruCache;
 use parking_lot::Mutex;
-use zeroize::Zeroizing;
 
-pub type Block = Arc<Zeroizing<Vec<u8>>>;
+pub type Block = Arc<SecureBuf>;
 
 pub struct BlockCache {
     block_size: u64,
@@ -51,6 +51,13 @@ impl BlockCache {
             // The evicted block is dropped (and wiped) after the lock is released.
             let _evicted = lru.lock().push((file, block), data);
         }
+    }
+
+    /// The block size for a budget: 1 MiB (a kernel read is at most that), smaller for
+    /// small budgets so the cache still holds a few blocks.
+    pub fn block_size_for(budget: u64) -> u64 {
+        let b = (budget / 16).clamp(4096, 1 << 20);
+        1 << (63 - b.leading_zeros())
     }
 
     /// Bytes held now (for tests and the RSS benchmark).
@@ -107,11 +114,16 @@ mod tests {
     fn bounded_and_evicting() {
         let c = BlockCache::new(3 * 10, 10);
         for i in 0..5 {
-            c.insert(1, i, Arc::new(Zeroizing::new(vec![i as u8; 10])));
+            let mut b = SecureBuf::new(10).unwrap();
+            b.fill(i as u8);
+            c.insert(1, i, Arc::new(b));
         }
         assert_eq!(c.held_bytes(), 30);
         assert!(c.get(1, 0).is_none());
         assert_eq!(c.get(1, 4).unwrap()[0], 4);
         assert!(!BlockCache::new(5, 10).enabled());
+        assert_eq!(BlockCache::block_size_for(256 << 20), 1 << 20);
+        assert_eq!(BlockCache::block_size_for(64 << 10), 4096);
+        assert_eq!(BlockCache::block_size_for(3 << 20), 128 << 10);
     }
 }

@@ -109,10 +109,8 @@ pub fn prepare(args: &Args) -> Result<View> {
         &key::passphrase_from_env_or_prompt,
     )?;
     seal.check_key(&model_key, &source)?;
-    let opts = Options {
-        cache_bytes: args.cache_size,
-        ..Options::default()
-    };
+    scrub_env(&[key::KEY_ENV, key::PASSPHRASE_ENV]);
+    let opts = Options::with_cache(args.cache_size);
     let view = sealed::build(&seal, &model_key, &opts)?;
     log::info!(
         "{}: {} nodes, lock {}, cache {} bytes",
@@ -194,7 +192,14 @@ pub fn serve(args: &Args, view: View, ready: impl FnOnce(Result<()>)) -> Result<
         Ok(Event::Signal(sig)) => {
             log::info!("signal {sig}: unmounting {}", args.mountpoint.display());
             if let Err(e) = unmounter.unmount() {
-                log::error!("unmount of {} failed: {e}", args.mountpoint.display());
+                // Busy (files open): detach lazily; the exit below then ends the connection.
+                log::info!(
+                    "unmount of {} failed ({e}); detaching it",
+                    args.mountpoint.display()
+                );
+                if let Err(e) = detach(&args.mountpoint) {
+                    log::error!("cannot unmount {}: {e}", args.mountpoint.display());
+                }
             }
             // Open files keep a lazily detached mount alive; the process exit that follows
             // closes the connection, and their reads then fail instead of hanging.
@@ -206,6 +211,50 @@ pub fn serve(args: &Args, view: View, ready: impl FnOnce(Result<()>)) -> Result<
             Ok(())
         }
         Ok(Event::Ended(Err(e))) => Err(Error::new(format!("the FUSE session failed: {e}"))),
+    }
+}
+
+/// Remove secrets from the environment: from what children (fusermount3) inherit, and
+/// from the process's initial environment block, which /proc/PID/environ shows.
+fn scrub_env(names: &[&str]) {
+    for name in names {
+        let Ok(c) = std::ffi::CString::new(*name) else {
+            continue;
+        };
+        // SAFETY: single-threaded (no thread is started before the view is built). getenv
+        // points into the environment's `NAME=value` bytes; after the entry is removed from
+        // the environment those bytes are no longer referenced and are overwritten.
+        unsafe {
+            let value = libc::getenv(c.as_ptr());
+            std::env::remove_var(name);
+            if !value.is_null() {
+                let start = value.sub(name.len() + 1);
+                let len = name.len() + 1 + libc::strlen(value);
+                std::ptr::write_bytes(start, 0, len);
+            }
+        }
+    }
+}
+
+/// Lazy unmount: `umount2(MNT_DETACH)` as root, else `fusermount3 -u -z`.
+fn detach(mountpoint: &Path) -> std::io::Result<()> {
+    use std::os::unix::ffi::OsStrExt;
+    let c = std::ffi::CString::new(mountpoint.as_os_str().as_bytes())?;
+    // SAFETY: a NUL-terminated path and a valid flag.
+    if unsafe { libc::umount2(c.as_ptr(), libc::MNT_DETACH) } == 0 {
+        return Ok(());
+    }
+    let status = std::process::Command::new("fusermount3")
+        .arg("-u")
+        .arg("-z")
+        .arg(mountpoint)
+        .status()?;
+    if status.success() {
+        Ok(())
+    } else {
+        Err(std::io::Error::other(format!(
+            "fusermount3 -u -z exited with {status}"
+        )))
     }
 }
 
@@ -258,6 +307,7 @@ fn fail(e: &Error) -> ! {
 }
 
 pub fn main() {
+    crate::secmem::harden_process();
     let args = Args::parse();
     // The daemon logs elsewhere; checks before it starts log to stderr.
     if let Err(e) = init_logging(&args, !args.foreground) {

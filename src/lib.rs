@@ -8,6 +8,7 @@ pub mod cache;
 pub mod cli;
 pub mod fuse;
 pub mod sealed;
+pub mod secmem;
 pub mod shard;
 pub mod testseal;
 pub mod view;

@@ -225,12 +225,19 @@ pub struct Options {
     pub block_size: u64,
 }
 
+impl Options {
+    /// A cache of `cache_bytes` in blocks sized for it.
+    pub fn with_cache(cache_bytes: u64) -> Options {
+        Options {
+            cache_bytes,
+            block_size: BlockCache::block_size_for(cache_bytes),
+        }
+    }
+}
+
 impl Default for Options {
     fn default() -> Self {
-        Options {
-            cache_bytes: 256 << 20,
-            block_size: 1 << 20,
-        }
+        Options::with_cache(256 << 20)
     }
 }
 
@@ -285,6 +292,7 @@ pub fn build(seal: &Seal, key: &ModelKey, opts: &Options) -> Result<View> {
             .map_err(|e| Error::at(&blob_path, format!("cannot stat ({e})")))?;
         let files = blob::read(&blob_path, key)?;
         for (rel, data) in files {
+            crate::secmem::lock_slice(&data);
             add_secret_file(&mut b, &blob_path, &blob_meta, &rel, data)?;
         }
     }

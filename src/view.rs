@@ -11,6 +11,7 @@ use std::time::SystemTime;
 use zeroize::Zeroizing;
 
 use crate::cache::BlockCache;
+use crate::secmem::SecureBuf;
 use crate::shard::{ReadError, Shard};
 
 pub type Ino = u64;
@@ -142,12 +143,12 @@ impl View {
     }
 
     /// Bytes `[off, off + size)` of a file, cut at its end.
-    pub fn read(&self, ino: Ino, off: u64, size: usize) -> Result<Vec<u8>, ReadError> {
+    pub fn read(&self, ino: Ino, off: u64, size: usize) -> Result<Zeroizing<Vec<u8>>, ReadError> {
         let node = self
             .node(ino)
             .ok_or_else(|| ReadError::Io(std::io::Error::from_raw_os_error(libc::ENOENT)))?;
         let len = node.attr.size.saturating_sub(off).min(size as u64) as usize;
-        let mut out = vec![0u8; len];
+        let mut out = Zeroizing::new(vec![0u8; len]);
         if len == 0 {
             return Ok(out);
         }
@@ -181,7 +182,7 @@ impl View {
         path: &str,
         off: u64,
         len: usize,
-    ) -> Option<Result<Vec<u8>, ReadError>> {
+    ) -> Option<Result<Zeroizing<Vec<u8>>, ReadError>> {
         Some(self.read(self.resolve(path)?, off, len))
     }
 
@@ -207,8 +208,13 @@ impl View {
             let data = match self.cache.get(ino, block) {
                 Some(d) => d,
                 None => {
-                    let mut buf = Zeroizing::new(vec![0u8; (b_end - b_start) as usize]);
-                    shard.read(b_start, &mut buf, &raw)?;
+                    let mut buf = SecureBuf::new((b_end - b_start) as usize)?;
+                    if let Err(e) = shard.read(b_start, &mut buf, &raw) {
+                        // A bad value elsewhere in the block must not fail this read: serve
+                        // exactly the range asked for, which fails only if it holds one.
+                        log::debug!("block {block} of {} not cached: {e}", self.path_of(ino));
+                        return shard.read(off, out, &raw);
+                    }
                     let d = Arc::new(buf);
                     self.cache.insert(ino, block, d.clone());
                     d

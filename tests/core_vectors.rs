@@ -27,7 +27,7 @@ fn full(view: &View, rel: &str) -> Vec<u8> {
         .resolve(rel)
         .unwrap_or_else(|| panic!("{rel} missing from the view"));
     let size = view.node(ino).unwrap().attr.size as usize;
-    view.read(ino, 0, size + 10).unwrap()
+    view.read(ino, 0, size + 10).unwrap().to_vec()
 }
 
 #[test]
@@ -100,7 +100,7 @@ fn random_ranges_equal_slices_of_the_whole() {
                 let lo = (off as usize).min(expected.len());
                 let hi = (lo + len).min(expected.len());
                 assert!(
-                    got == expected[lo..hi],
+                    *got == expected[lo..hi],
                     "{}/{rel} [{off}, +{len})",
                     case.name
                 );

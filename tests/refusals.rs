@@ -184,8 +184,9 @@ fn trusted_blob_tampering() {
     assert_eq!(
         view.read_path("tokenizer/tokenizer.json", 0, 10)
             .unwrap()
-            .unwrap(),
-        vec![1, 2, 3]
+            .unwrap()
+            .to_vec(),
+        vec![1u8, 2, 3]
     );
 }
 
@@ -300,7 +301,7 @@ fn no_lock_directories_pass_through() {
         .read_path("model-00001-of-00002.safetensors", 0, plain.len())
         .unwrap()
         .unwrap();
-    assert!(got == plain);
+    assert!(*got == plain);
     let cfg: serde_json::Value =
         serde_json::from_slice(&view.read_path("config.json", 0, 1 << 20).unwrap().unwrap())
             .unwrap();
