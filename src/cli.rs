@@ -172,7 +172,10 @@ pub fn serve(args: &Args, view: View, ready: impl FnOnce(Result<()>)) -> Result<
         .map_err(|e| Error::new(format!("cannot start the signal thread ({e})")))?;
     // The handshake is done; a stat through the kernel proves the mount answers.
     match std::fs::metadata(&args.mountpoint) {
-        Ok(_) => ready(Ok(())),
+        Ok(_) => {
+            raise_readahead(&args.mountpoint);
+            ready(Ok(()))
+        }
         Err(e) => {
             let err = Error::at(
                 &args.mountpoint,
@@ -235,6 +238,25 @@ fn scrub_env(names: &[&str]) {
         }
     }
 }
+
+/// The kernel offers a FUSE mount 128 KiB of readahead, and no more can be asked for at
+/// INIT; its backing device's `read_ahead_kb` can be raised afterwards (root only). Larger
+/// windows mean fewer, larger requests to decode.
+fn raise_readahead(mountpoint: &Path) {
+    use std::os::unix::fs::MetadataExt;
+    let Ok(meta) = std::fs::metadata(mountpoint) else {
+        return;
+    };
+    let dev = meta.dev();
+    let (major, minor) = (libc::major(dev), libc::minor(dev));
+    let knob = format!("/sys/class/bdi/{major}:{minor}/read_ahead_kb");
+    match std::fs::write(&knob, READAHEAD_KB.to_string()) {
+        Ok(()) => log::debug!("{knob} set to {READAHEAD_KB}"),
+        Err(e) => log::debug!("cannot raise {knob} ({e}); reads stay at the kernel's window"),
+    }
+}
+
+const READAHEAD_KB: u32 = 1024;
 
 /// Lazy unmount: `umount2(MNT_DETACH)` as root, else `fusermount3 -u -z`.
 fn detach(mountpoint: &Path) -> std::io::Result<()> {

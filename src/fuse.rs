@@ -7,7 +7,7 @@ use std::time::Duration;
 use fuser::{
     Errno, FileAttr, FileHandle, FileType, Filesystem, FopenFlags, Generation, INodeNo,
     KernelConfig, LockOwner, OpenAccMode, OpenFlags, ReplyAttr, ReplyData, ReplyDirectory,
-    ReplyEntry, ReplyOpen, ReplyStatfs, ReplyXattr, Request,
+    ReplyEmpty, ReplyEntry, ReplyOpen, ReplyStatfs, ReplyXattr, Request,
 };
 
 use crate::shard::ReadError;
@@ -59,6 +59,11 @@ impl Filesystem for KllmFs {
     fn init(&mut self, _req: &Request, config: &mut KernelConfig) -> std::io::Result<()> {
         if let Err(max) = config.set_max_readahead(MAX_READAHEAD) {
             let _ = config.set_max_readahead(max);
+        }
+        // fuser derives max_pages (the largest request) from max_write: 1 MiB lets one
+        // request carry a whole readahead window once the window is raised (see cli).
+        if let Err(max) = config.set_max_write(MAX_READAHEAD) {
+            let _ = config.set_max_write(max);
         }
         let _ = config.set_max_background(MAX_BACKGROUND);
         Ok(())
@@ -120,6 +125,17 @@ impl Filesystem for KllmFs {
                 reply.error(errno);
             }
         }
+    }
+
+    fn flush(
+        &self,
+        _req: &Request,
+        _ino: INodeNo,
+        _fh: FileHandle,
+        _lock_owner: LockOwner,
+        reply: ReplyEmpty,
+    ) {
+        reply.ok();
     }
 
     fn opendir(&self, _req: &Request, ino: INodeNo, _flags: OpenFlags, reply: ReplyOpen) {
