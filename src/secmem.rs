@@ -5,12 +5,51 @@ use std::ops::{Deref, DerefMut};
 use std::sync::atomic::{AtomicBool, Ordering};
 
 use memmap2::{Advice, MmapMut};
-use zeroize::Zeroize;
+use parking_lot::Mutex;
 
 static LOCK_WARNED: AtomicBool = AtomicBool::new(false);
 
+/// Wiped mappings kept for reuse: a cache miss then costs no mmap, mlock or page faults.
+static POOL: Mutex<Vec<MmapMut>> = Mutex::new(Vec::new());
+const POOL_MAX: usize = 16;
+
+/// Overwrite `bytes` with zeros in a way the compiler may not elide, at memset speed.
+pub fn wipe(bytes: &mut [u8]) {
+    // SAFETY: explicit_bzero writes exactly `len` bytes of a live, exclusive slice.
+    unsafe { libc::explicit_bzero(bytes.as_mut_ptr().cast(), bytes.len()) };
+}
+
+/// A heap buffer wiped when dropped (reads on their way to the kernel).
+pub struct Wiped(pub Vec<u8>);
+
+impl Wiped {
+    pub fn zeroed(len: usize) -> Wiped {
+        Wiped(vec![0u8; len])
+    }
+}
+
+impl Deref for Wiped {
+    type Target = Vec<u8>;
+    fn deref(&self) -> &Vec<u8> {
+        &self.0
+    }
+}
+
+impl DerefMut for Wiped {
+    fn deref_mut(&mut self) -> &mut Vec<u8> {
+        &mut self.0
+    }
+}
+
+impl Drop for Wiped {
+    fn drop(&mut self) {
+        wipe(&mut self.0);
+    }
+}
+
 pub struct SecureBuf {
-    map: MmapMut,
+    /// Always `Some` until dropped, when the mapping goes back to the pool.
+    map: Option<MmapMut>,
     len: usize,
 }
 
@@ -18,6 +57,18 @@ impl SecureBuf {
     /// `len` zero bytes. Falls back to plain (still wiped) memory only if the kernel refuses
     /// an anonymous mapping, which does not happen short of exhaustion.
     pub fn new(len: usize) -> std::io::Result<SecureBuf> {
+        let reused = {
+            let mut pool = POOL.lock();
+            pool.iter()
+                .position(|m| m.len() == len.max(1))
+                .map(|i| pool.swap_remove(i))
+        };
+        if let Some(map) = reused {
+            return Ok(SecureBuf {
+                map: Some(map),
+                len,
+            });
+        }
         let map = MmapMut::map_anon(len.max(1))?;
         // Excluded from core dumps (the daemon is also marked not dumpable).
         let _ = map.advise(Advice::DontDump);
@@ -28,7 +79,10 @@ impl SecureBuf {
                 );
             }
         }
-        Ok(SecureBuf { map, len })
+        Ok(SecureBuf {
+            map: Some(map),
+            len,
+        })
     }
 
     /// Whether pages of this buffer are locked (for tests).
@@ -40,19 +94,25 @@ impl SecureBuf {
 impl Deref for SecureBuf {
     type Target = [u8];
     fn deref(&self) -> &[u8] {
-        &self.map[..self.len]
+        &self.map.as_ref().expect("live buffer")[..self.len]
     }
 }
 
 impl DerefMut for SecureBuf {
     fn deref_mut(&mut self) -> &mut [u8] {
-        &mut self.map[..self.len]
+        &mut self.map.as_mut().expect("live buffer")[..self.len]
     }
 }
 
 impl Drop for SecureBuf {
     fn drop(&mut self) {
-        self.map[..].zeroize();
+        if let Some(mut map) = self.map.take() {
+            wipe(&mut map[..]);
+            let mut pool = POOL.lock();
+            if pool.len() < POOL_MAX {
+                pool.push(map);
+            }
+        }
     }
 }
 

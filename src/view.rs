@@ -11,7 +11,7 @@ use std::time::SystemTime;
 use zeroize::Zeroizing;
 
 use crate::cache::BlockCache;
-use crate::secmem::SecureBuf;
+use crate::secmem::{SecureBuf, Wiped};
 use crate::shard::{ReadError, Shard};
 
 pub type Ino = u64;
@@ -143,12 +143,12 @@ impl View {
     }
 
     /// Bytes `[off, off + size)` of a file, cut at its end.
-    pub fn read(&self, ino: Ino, off: u64, size: usize) -> Result<Zeroizing<Vec<u8>>, ReadError> {
+    pub fn read(&self, ino: Ino, off: u64, size: usize) -> Result<Wiped, ReadError> {
         let node = self
             .node(ino)
             .ok_or_else(|| ReadError::Io(std::io::Error::from_raw_os_error(libc::ENOENT)))?;
         let len = node.attr.size.saturating_sub(off).min(size as u64) as usize;
-        let mut out = Zeroizing::new(vec![0u8; len]);
+        let mut out = Wiped::zeroed(len);
         if len == 0 {
             return Ok(out);
         }
@@ -177,12 +177,7 @@ impl View {
     }
 
     /// A path-based read, the core's whole contract: bytes `[off, off+len)` of path P.
-    pub fn read_path(
-        &self,
-        path: &str,
-        off: u64,
-        len: usize,
-    ) -> Option<Result<Zeroizing<Vec<u8>>, ReadError>> {
+    pub fn read_path(&self, path: &str, off: u64, len: usize) -> Option<Result<Wiped, ReadError>> {
         Some(self.read(self.resolve(path)?, off, len))
     }
 
@@ -205,6 +200,20 @@ impl View {
             let block = pos / bs;
             let b_start = block * bs;
             let b_end = (b_start + bs).min(shard.file_len);
+            if pos == b_start && end >= b_end {
+                // A read that covers whole blocks decodes straight into its buffer: the
+                // kernel keeps those pages (FOPEN_KEEP_CACHE), so caching them here too
+                // would only cost a copy. The cache serves the pieces reads cut.
+                let whole_end = b_start + (end - b_start) / bs * bs;
+                let upto = whole_end.max(b_end).min(end);
+                shard.read(
+                    pos,
+                    &mut out[(pos - off) as usize..(upto - off) as usize],
+                    &raw,
+                )?;
+                pos = upto;
+                continue;
+            }
             let data = match self.cache.get(ino, block) {
                 Some(d) => d,
                 None => {
