@@ -395,6 +395,44 @@ macro_rules! float_lanes {
     }};
 }
 
+/// The narrow-stream kernels, compiled twice: for the baseline target and with AVX2, picked
+/// at run time. With AVX2 the 32-bit lanes become 8-wide vectors.
+macro_rules! narrow_kernels {
+    ($($plain:ident, $avx2:ident, $v:ty;)*) => {$(
+        fn $plain<const LOCK: bool>(k: &Kernel, part: &mut [u8], ks: &[u8]) {
+            float_lanes!(k, part, ks, $v, u32, LOCK)
+        }
+
+        #[cfg(target_arch = "x86_64")]
+        #[target_feature(enable = "avx2")]
+        fn $avx2<const LOCK: bool>(k: &Kernel, part: &mut [u8], ks: &[u8]) {
+            float_lanes!(k, part, ks, $v, u32, LOCK)
+        }
+    )*};
+}
+
+narrow_kernels! {
+    narrow_u8, narrow_u8_avx2, u8;
+    narrow_u16, narrow_u16_avx2, u16;
+    narrow_u32, narrow_u32_avx2, u32;
+}
+
+macro_rules! narrow {
+    ($k:expr, $part:expr, $ks:expr, $plain:ident, $avx2:ident, $lock:expr) => {{
+        #[cfg(target_arch = "x86_64")]
+        {
+            if std::arch::is_x86_feature_detected!("avx2") {
+                // SAFETY: the CPU was just found to support AVX2.
+                unsafe { $avx2::<$lock>($k, $part, $ks) }
+            } else {
+                $plain::<$lock>($k, $part, $ks)
+            }
+        }
+        #[cfg(not(target_arch = "x86_64"))]
+        $plain::<$lock>($k, $part, $ks)
+    }};
+}
+
 /// The per-value arithmetic, monomorphized by value width, stream width and direction so
 /// the inner loops have no branches the compiler cannot turn into selects.
 struct Kernel {
@@ -461,9 +499,9 @@ impl Kernel {
                 .position(|v| Self::load::<W>(v) & (sign_bit - 1) >= m);
         }
         match (W, WIDE) {
-            (1, false) => float_lanes!(self, part, ks, u8, u32, LOCK),
-            (2, false) => float_lanes!(self, part, ks, u16, u32, LOCK),
-            (4, false) => float_lanes!(self, part, ks, u32, u32, LOCK),
+            (1, false) => narrow!(self, part, ks, narrow_u8, narrow_u8_avx2, LOCK),
+            (2, false) => narrow!(self, part, ks, narrow_u16, narrow_u16_avx2, LOCK),
+            (4, false) => narrow!(self, part, ks, narrow_u32, narrow_u32_avx2, LOCK),
             (1, true) => float_lanes!(self, part, ks, u8, u64, LOCK),
             (2, true) => float_lanes!(self, part, ks, u16, u64, LOCK),
             _ => float_lanes!(self, part, ks, u32, u64, LOCK),
