@@ -141,7 +141,14 @@ pub fn serve(args: &Args, view: View, ready: impl FnOnce(Result<()>)) -> Result<
             return Err(e);
         }
     };
-    let mut session = match Session::new(KllmFs::new(Arc::new(view)), &args.mountpoint, &cfg) {
+    let mut session = match Session::new(
+        KllmFs::new(Arc::new(view)).on_destroy(Box::new(|| {
+            log::info!("session ended; exiting");
+            std::process::exit(0)
+        })),
+        &args.mountpoint,
+        &cfg,
+    ) {
         Ok(s) => s,
         Err(e) => {
             let hint = if e.kind() == std::io::ErrorKind::NotFound {

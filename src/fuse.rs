@@ -20,13 +20,28 @@ const TTL: Duration = Duration::from_secs(3600);
 const MAX_READAHEAD: u32 = 1 << 20;
 const MAX_BACKGROUND: u16 = 64;
 
+/// Called when the session ends, before fuser drops its mount handle.
+pub type OnDestroy = Box<dyn FnMut() + Send + Sync>;
+
 pub struct KllmFs {
     view: Arc<View>,
+    on_destroy: Option<OnDestroy>,
 }
 
 impl KllmFs {
     pub fn new(view: Arc<View>) -> KllmFs {
-        KllmFs { view }
+        KllmFs {
+            view,
+            on_destroy: None,
+        }
+    }
+
+    /// Run `f` when the session ends. fuser 0.18 unmounts the mount point path again when
+    /// its session ends on its own (an inverted "still mounted" check), which would
+    /// unmount a new mount made there meanwhile; the daemon exits in `f` before that.
+    pub fn on_destroy(mut self, f: OnDestroy) -> KllmFs {
+        self.on_destroy = Some(f);
+        self
     }
 
     fn attr(&self, ino: Ino) -> Option<FileAttr> {
@@ -67,6 +82,12 @@ impl Filesystem for KllmFs {
         }
         let _ = config.set_max_background(MAX_BACKGROUND);
         Ok(())
+    }
+
+    fn destroy(&mut self) {
+        if let Some(f) = self.on_destroy.as_mut() {
+            f();
+        }
     }
 
     fn lookup(&self, _req: &Request, parent: INodeNo, name: &OsStr, reply: ReplyEntry) {

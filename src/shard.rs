@@ -18,6 +18,12 @@ pub const LOCK_META: &str = "kllm.lock";
 /// safetensors' own limit on the header.
 pub const MAX_HEADER: u64 = 100_000_000;
 
+/// Reads sealed bytes at an offset (a `pread` of the shard), from any thread.
+pub type RawReader<'a> = dyn Fn(u64, &mut [u8]) -> io::Result<()> + Sync + 'a;
+
+/// Reads at least twice this long are decoded on several cores.
+const PARALLEL_MIN: usize = 128 << 10;
+
 /// One locked tensor: where its bytes are in the file, and how to decode them.
 #[derive(Debug, Clone)]
 pub struct LockedTensor {
@@ -290,7 +296,7 @@ impl Shard {
         &self,
         off: u64,
         out: &mut [u8],
-        raw: &dyn Fn(u64, &mut [u8]) -> io::Result<()>,
+        raw: &RawReader<'_>,
     ) -> std::result::Result<(), ReadError> {
         let end = off + out.len() as u64;
         debug_assert!(end <= self.file_len);
@@ -304,7 +310,30 @@ impl Shard {
         if pos >= end {
             return Ok(());
         }
-        raw(pos, &mut out[(pos - off) as usize..])?;
+        let data = &mut out[(pos - off) as usize..];
+        raw(pos, data)?;
+        let threads = rayon::current_num_threads();
+        if data.len() >= 2 * PARALLEL_MIN && threads > 1 {
+            // One reader keeps about one request in flight: spread its decoding over the
+            // cores. Pieces may cut values; each decodes its own bytes of a cut value.
+            use rayon::prelude::*;
+            let piece = data.len().div_ceil(threads).max(PARALLEL_MIN);
+            data.par_chunks_mut(piece)
+                .enumerate()
+                .try_for_each(|(i, part)| self.decode_span(pos + (i * piece) as u64, part, raw))
+        } else {
+            self.decode_span(pos, data, raw)
+        }
+    }
+
+    /// Decode in place the locked tensors' bytes inside `buf`, the sealed bytes at `pos`.
+    fn decode_span(
+        &self,
+        pos: u64,
+        buf: &mut [u8],
+        raw: &RawReader<'_>,
+    ) -> std::result::Result<(), ReadError> {
+        let end = pos + buf.len() as u64;
         let first = self.locked.partition_point(|t| t.end <= pos);
         for t in self.locked[first..].iter().take_while(|t| t.start < end) {
             let a = t.start.max(pos);
@@ -313,7 +342,7 @@ impl Shard {
                 t,
                 a,
                 b,
-                &mut out[(a - off) as usize..(b - off) as usize],
+                &mut buf[(a - pos) as usize..(b - pos) as usize],
                 raw,
             )?;
         }
@@ -328,7 +357,7 @@ fn decode_range(
     a: u64,
     b: u64,
     buf: &mut [u8],
-    raw: &dyn Fn(u64, &mut [u8]) -> io::Result<()>,
+    raw: &RawReader<'_>,
 ) -> std::result::Result<(), ReadError> {
     let ub = t.lock.codec.unit_bytes() as u64;
     let corrupt = |e: crate::lock::OutOfDomain| ReadError::Corrupt {

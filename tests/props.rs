@@ -160,3 +160,65 @@ fn tensor_ids_are_scoped_by_folder() {
     lock_tensors(&mut b, &key, Version::V2, "transformer", &|_| false).unwrap();
     assert_ne!(a[0].data, b[0].data);
 }
+
+#[test]
+fn large_reads_decoded_on_several_threads_equal_the_plain_bytes() {
+    // Reads of 256 KiB and more are split across threads at arbitrary byte boundaries,
+    // cutting values; an odd offset puts the cut inside values of every tensor.
+    let key = ModelKey::new([9; 32]);
+    let mut tensors = vec![
+        Tensor {
+            name: "pad".into(),
+            dtype: Dtype::U8,
+            shape: vec![3],
+            data: vec![1, 2, 3],
+        },
+        Tensor {
+            name: "w".into(),
+            dtype: Dtype::BF16,
+            shape: vec![700_001],
+            data: plain_values(Dtype::BF16, 700_001, &[7, 1, 9, 200], 0x3F80),
+        },
+        Tensor {
+            name: "f".into(),
+            dtype: Dtype::F32,
+            shape: vec![100_003],
+            data: plain_values(Dtype::F32, 100_003, &[5, 3, 250], 0x4000_0000),
+        },
+    ];
+    let plain = safetensors_bytes(&tensors, &Default::default());
+    let doc = lock_tensors(&mut tensors, &key, Version::V2, "", &|_| false)
+        .unwrap()
+        .unwrap();
+    let mut md = serde_json::Map::new();
+    md.insert("kllm.lock".into(), serde_json::Value::String(doc));
+    let sealed = safetensors_bytes(&tensors, &md);
+    let n = u64::from_le_bytes(sealed[..8].try_into().unwrap()) as usize;
+    let pn = u64::from_le_bytes(plain[..8].try_into().unwrap()) as usize;
+    let shard = Shard::from_header(
+        Path::new("p"),
+        &sealed[8..8 + n],
+        sealed.len() as u64,
+        "",
+        &key,
+    )
+    .unwrap();
+    let raw = |at: u64, buf: &mut [u8]| -> std::io::Result<()> {
+        buf.copy_from_slice(&sealed[at as usize..at as usize + buf.len()]);
+        Ok(())
+    };
+    let mut whole = vec![0u8; sealed.len() - 8 - n];
+    shard.read(8 + n as u64, &mut whole, &raw).unwrap();
+    assert!(whole == plain[8 + pn..], "whole data differs");
+    for (a, len) in [
+        (8 + n + 1, 1 << 20),
+        (8 + n + 5, 333_333),
+        (8 + n + 1_000_001, 500_000),
+    ] {
+        let len = len.min(sealed.len() - a);
+        let mut part = vec![0u8; len];
+        shard.read(a as u64, &mut part, &raw).unwrap();
+        let d = a - 8 - n;
+        assert!(part == whole[d..d + len], "range at {a} (+{len}) differs");
+    }
+}
