@@ -382,22 +382,13 @@ fn walk(
         }
         let lmeta = fs::symlink_metadata(&path)
             .map_err(|e| Error::at(&path, format!("cannot stat ({e})")))?;
-        let (real, meta) = if lmeta.file_type().is_symlink() {
-            // A link is followed only when it stays inside the sealed directory.
-            match fs::canonicalize(&path) {
-                Ok(target) if target.starts_with(canon_root) => {
-                    let m = fs::metadata(&target)
-                        .map_err(|e| Error::at(&path, format!("cannot stat link target ({e})")))?;
-                    (target, m)
-                }
-                Ok(target) => {
-                    log::warn!(
-                        "{}: symbolic link to {} leaves the sealed directory; not shown",
-                        path.display(),
-                        target.display()
-                    );
-                    continue;
-                }
+        // `content_rel` is where the bytes live: for a link, its target. kLLM scopes tensor
+        // ids by the real path, and hidden files stay hidden behind a link.
+        let (real, meta, content_rel) = if lmeta.file_type().is_symlink() {
+            // A link is followed only when it stays inside the sealed directory, and only to
+            // a file: the folder it points to is shown where it lives.
+            let target = match fs::canonicalize(&path) {
+                Ok(t) => t,
                 Err(e) => {
                     log::warn!(
                         "{}: dangling symbolic link ({e}); not shown",
@@ -405,9 +396,30 @@ fn walk(
                     );
                     continue;
                 }
+            };
+            let Ok(target_rel) = target.strip_prefix(canon_root).map(Path::to_path_buf) else {
+                log::warn!(
+                    "{}: symbolic link to {} leaves the sealed directory; not shown",
+                    path.display(),
+                    target.display()
+                );
+                continue;
+            };
+            let m = fs::metadata(&target)
+                .map_err(|e| Error::at(&path, format!("cannot stat link target ({e})")))?;
+            if m.is_dir() {
+                log::warn!(
+                    "{}: symbolic link to a folder; not followed",
+                    path.display()
+                );
+                continue;
             }
+            if hidden(&target_rel) {
+                continue;
+            }
+            (target, m, target_rel)
         } else {
-            (path.clone(), lmeta)
+            (path.clone(), lmeta, rel.clone())
         };
         if meta.is_dir() {
             let canon = fs::canonicalize(&real)
@@ -427,7 +439,7 @@ fn walk(
             );
             walk(seal, key, canon_root, &real, &rel, ino, b, visited)?;
         } else if meta.is_file() {
-            let content = file_content(seal, key, &real, &path, &rel)?;
+            let content = file_content(seal, key, &real, &path, &content_rel)?;
             b.add(
                 dir_ino,
                 name,
@@ -478,9 +490,12 @@ fn file_content(
             ),
         ));
     }
+    let stamp = crate::view::Stamp::of(&file)
+        .map_err(|e| Error::at(shown, format!("cannot stat ({e})")))?;
     Ok(Content::Shard {
         path: real.to_path_buf(),
         file,
         shard,
+        stamp,
     })
 }

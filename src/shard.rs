@@ -57,12 +57,18 @@ pub enum ReadError {
         tensor: String,
         unit: u64,
     },
+    /// The sealed file changed since it was mounted.
+    Changed,
 }
 
 impl fmt::Display for ReadError {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         match self {
             ReadError::Io(e) => write!(f, "read failed: {e}"),
+            ReadError::Changed => write!(
+                f,
+                "the sealed file changed after it was mounted; remount to serve it"
+            ),
             ReadError::Corrupt { tensor, unit } => {
                 write!(f, "tensor {tensor}: value {unit} is outside its locked domain (corrupt or altered data)")
             }

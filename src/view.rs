@@ -52,7 +52,35 @@ pub enum Content {
         path: PathBuf,
         file: File,
         shard: Shard,
+        /// The file as it was at mount time.
+        stamp: Stamp,
     },
+}
+
+/// The size and modification time of a sealed file at mount time. A rewrite in place
+/// keeps the size and changes the time; appending (bytes before stay) changes the size, a
+/// cut makes reads past it fail by themselves, and a file renamed over it leaves the
+/// mounted inode as it was.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Stamp {
+    len: u64,
+    mtime: (i64, i64),
+}
+
+impl Stamp {
+    pub fn of(file: &File) -> std::io::Result<Stamp> {
+        use std::os::unix::fs::MetadataExt;
+        let m = file.metadata()?;
+        Ok(Stamp {
+            len: m.len(),
+            mtime: (m.mtime(), m.mtime_nsec()),
+        })
+    }
+
+    /// Whether `now` may hold other bytes than `self` where `self`'s bytes were.
+    pub fn rewritten(&self, now: &Stamp) -> bool {
+        now.len == self.len && now.mtime != self.mtime
+    }
 }
 
 pub struct Node {
@@ -163,14 +191,26 @@ impl View {
                 let f = match file.get() {
                     Some(f) => f,
                     None => {
-                        let opened = Arc::new(File::open(path)?);
-                        file.get_or_init(|| opened)
+                        // Not through a link put in the file's place after mounting.
+                        use std::os::unix::fs::OpenOptionsExt;
+                        let opened = std::fs::OpenOptions::new()
+                            .read(true)
+                            .custom_flags(libc::O_NOFOLLOW)
+                            .open(path)?;
+                        file.get_or_init(|| Arc::new(opened))
                     }
                 };
                 f.read_exact_at(&mut out, off)?;
             }
-            Content::Shard { file, shard, .. } => {
-                self.read_shard(ino, file, shard, off, &mut out)?
+            Content::Shard {
+                file, shard, stamp, ..
+            } => {
+                self.read_shard(ino, file, shard, off, &mut out)?;
+                // Bytes decoded from a file rewritten since mounting are wrong: checked
+                // after reading, so a change before or during the read is caught.
+                if stamp.rewritten(&Stamp::of(file)?) {
+                    return Err(ReadError::Changed);
+                }
             }
         }
         Ok(out)
