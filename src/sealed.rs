@@ -464,9 +464,11 @@ fn file_content(
     rel: &Path,
 ) -> Result<Content> {
     if !is_lockable(rel) {
+        let m = fs::metadata(real).map_err(|e| Error::at(shown, format!("cannot stat ({e})")))?;
         return Ok(Content::Plain {
             path: real.to_path_buf(),
             file: Default::default(),
+            id: (m.dev(), m.ino()),
         });
     }
     let file = File::open(real).map_err(|e| Error::at(shown, format!("cannot open ({e})")))?;
@@ -476,9 +478,13 @@ fn file_content(
         .unwrap_or_default();
     let shard = Shard::open(shown, &file, &shard_dir, key)?;
     if !shard.is_locked() {
+        let m = file
+            .metadata()
+            .map_err(|e| Error::at(shown, format!("cannot stat ({e})")))?;
         return Ok(Content::Plain {
             path: real.to_path_buf(),
             file: std::sync::OnceLock::from(std::sync::Arc::new(file)),
+            id: (m.dev(), m.ino()),
         });
     }
     if seal.lock.is_none() {

@@ -39,10 +39,12 @@ pub struct Attr {
 
 pub enum Content {
     Dir(Vec<(OsString, Ino)>),
-    /// A file shown as it is on disk, opened on first read.
+    /// A file shown as it is on disk, opened on first read; `id` is its (device, inode)
+    /// at mount time, so a file or folder swapped in its place is not served.
     Plain {
         path: PathBuf,
         file: OnceLock<Arc<File>>,
+        id: (u64, u64),
     },
     /// Bytes that exist only in memory: secret files and the metadata file without its
     /// lock flag.
@@ -57,10 +59,8 @@ pub enum Content {
     },
 }
 
-/// The size and modification time of a sealed file at mount time. A rewrite in place
-/// keeps the size and changes the time; appending (bytes before stay) changes the size, a
-/// cut makes reads past it fail by themselves, and a file renamed over it leaves the
-/// mounted inode as it was.
+/// The size and modification time of a sealed file at mount time. Writing to the mounted
+/// inode changes one of them; a file renamed over it leaves the mounted inode as it was.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct Stamp {
     len: u64,
@@ -77,9 +77,10 @@ impl Stamp {
         })
     }
 
-    /// Whether `now` may hold other bytes than `self` where `self`'s bytes were.
+    /// Whether `now` may hold other bytes than `self` where `self`'s bytes were: any
+    /// change of size or modification time (stat cannot tell an append from a rewrite).
     pub fn rewritten(&self, now: &Stamp) -> bool {
-        now.len == self.len && now.mtime != self.mtime
+        now != self
     }
 }
 
@@ -187,16 +188,20 @@ impl View {
                 )))
             }
             Content::Memory(bytes) => out.copy_from_slice(&bytes[off as usize..off as usize + len]),
-            Content::Plain { path, file } => {
+            Content::Plain { path, file, id } => {
                 let f = match file.get() {
                     Some(f) => f,
                     None => {
                         // Not through a link put in the file's place after mounting.
-                        use std::os::unix::fs::OpenOptionsExt;
+                        use std::os::unix::fs::{MetadataExt, OpenOptionsExt};
                         let opened = std::fs::OpenOptions::new()
                             .read(true)
                             .custom_flags(libc::O_NOFOLLOW)
                             .open(path)?;
+                        let m = opened.metadata()?;
+                        if (m.dev(), m.ino()) != *id {
+                            return Err(ReadError::Changed);
+                        }
                         file.get_or_init(|| Arc::new(opened))
                     }
                 };
@@ -208,7 +213,8 @@ impl View {
                 self.read_shard(ino, file, shard, off, &mut out)?;
                 // Bytes decoded from a file rewritten since mounting are wrong: checked
                 // after reading, so a change before or during the read is caught.
-                if stamp.rewritten(&Stamp::of(file)?) {
+                let touched_data = off + len as u64 > shard.data_start;
+                if touched_data && stamp.rewritten(&Stamp::of(file)?) {
                     return Err(ReadError::Changed);
                 }
             }
