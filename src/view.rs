@@ -59,12 +59,15 @@ pub enum Content {
     },
 }
 
-/// The size and modification time of a sealed file at mount time. Writing to the mounted
-/// inode changes one of them; a file renamed over it leaves the mounted inode as it was.
+/// The size, modification and change times of a sealed file at mount time: writing to the
+/// mounted inode changes the change time even when the writer sets the modification time
+/// back.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct Stamp {
     len: u64,
     mtime: (i64, i64),
+    /// The change time, which no writer can set back.
+    ctime: (i64, i64),
 }
 
 impl Stamp {
@@ -74,11 +77,12 @@ impl Stamp {
         Ok(Stamp {
             len: m.len(),
             mtime: (m.mtime(), m.mtime_nsec()),
+            ctime: (m.ctime(), m.ctime_nsec()),
         })
     }
 
     /// Whether `now` may hold other bytes than `self` where `self`'s bytes were: any
-    /// change of size or modification time (stat cannot tell an append from a rewrite).
+    /// change (stat cannot tell an append, or a rename over the file, from a rewrite).
     pub fn rewritten(&self, now: &Stamp) -> bool {
         now != self
     }
