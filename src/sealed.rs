@@ -192,17 +192,14 @@ struct Builder {
 impl Builder {
     fn add(&mut self, parent: Ino, name: OsString, attr: Attr, content: Content) -> Ino {
         let ino = self.nodes.len() as Ino + 1;
-        if attr.kind == Kind::Dir {
-            self.children
-                .resize_with(self.nodes.len() + 1, BTreeMap::new);
-        }
         self.nodes.push(Node {
             parent,
             name: name.clone(),
             attr,
             content,
         });
-        self.children.resize_with(self.nodes.len(), BTreeMap::new);
+        // One (possibly empty) child map per node, indexed like `nodes`.
+        self.children.push(BTreeMap::new());
         if ino != ROOT {
             self.children[parent as usize - 1].insert(name, ino);
         }
