@@ -42,6 +42,11 @@ pub struct Args {
     /// FUSE options, comma-separated (e.g. allow_other; never on by default).
     #[arg(short = 'o', value_name = "OPTIONS")]
     pub options: Vec<String>,
+    /// The kernel's readahead window for the mount (K/M/G suffixes). Sequential readers
+    /// then keep several requests in flight, decoded in parallel. Applied only as root;
+    /// 0 keeps the kernel's 128 KiB.
+    #[arg(long, value_name = "SIZE", default_value = "8M", value_parser = parse_size)]
+    pub readahead: u64,
     /// Threads serving kernel requests.
     #[arg(long, value_name = "N", default_value_t = default_threads())]
     pub threads: usize,
@@ -180,7 +185,7 @@ pub fn serve(args: &Args, view: View, ready: impl FnOnce(Result<()>)) -> Result<
     // The handshake is done; a stat through the kernel proves the mount answers.
     match std::fs::metadata(&args.mountpoint) {
         Ok(_) => {
-            raise_readahead(&args.mountpoint);
+            raise_readahead(&args.mountpoint, args.readahead);
             ready(Ok(()))
         }
         Err(e) => {
@@ -248,22 +253,24 @@ fn scrub_env(names: &[&str]) {
 
 /// The kernel offers a FUSE mount 128 KiB of readahead, and no more can be asked for at
 /// INIT; its backing device's `read_ahead_kb` can be raised afterwards (root only). Larger
-/// windows mean fewer, larger requests to decode.
-fn raise_readahead(mountpoint: &Path) {
+/// windows mean more requests in flight, decoded side by side, and fewer round trips.
+fn raise_readahead(mountpoint: &Path, bytes: u64) {
     use std::os::unix::fs::MetadataExt;
+    if bytes == 0 {
+        return;
+    }
     let Ok(meta) = std::fs::metadata(mountpoint) else {
         return;
     };
     let dev = meta.dev();
     let (major, minor) = (libc::major(dev), libc::minor(dev));
     let knob = format!("/sys/class/bdi/{major}:{minor}/read_ahead_kb");
-    match std::fs::write(&knob, READAHEAD_KB.to_string()) {
-        Ok(()) => log::debug!("{knob} set to {READAHEAD_KB}"),
+    let kb = bytes.div_ceil(1024);
+    match std::fs::write(&knob, kb.to_string()) {
+        Ok(()) => log::debug!("{knob} set to {kb}"),
         Err(e) => log::debug!("cannot raise {knob} ({e}); reads stay at the kernel's window"),
     }
 }
-
-const READAHEAD_KB: u32 = 1024;
 
 /// Lazy unmount: `umount2(MNT_DETACH)` as root, else `fusermount3 -u -z`.
 fn detach(mountpoint: &Path) -> std::io::Result<()> {

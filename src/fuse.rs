@@ -10,6 +10,7 @@ use fuser::{
     ReplyEmpty, ReplyEntry, ReplyOpen, ReplyStatfs, ReplyXattr, Request,
 };
 
+use crate::secmem::SecureBuf;
 use crate::shard::ReadError;
 use crate::view::{Ino, Kind, View};
 
@@ -19,6 +20,16 @@ const TTL: Duration = Duration::from_secs(3600);
 /// maximum.
 const MAX_READAHEAD: u32 = 1 << 20;
 const MAX_BACKGROUND: u16 = 64;
+
+thread_local! {
+    /// Each worker's reply buffer, reused for every read: a fresh buffer a request would
+    /// cost an allocation, a zero fill and a wipe. It is locked memory kept out of core
+    /// dumps (like the block cache); the next read overwrites it, and it is wiped when the
+    /// worker ends.
+    static REPLY: std::cell::RefCell<Option<SecureBuf>> = const { std::cell::RefCell::new(None) };
+}
+/// The smallest reply buffer made, so a run of small reads does not regrow it.
+const REPLY_MIN: usize = 128 << 10;
 
 /// Called when the session ends, before fuser drops its mount handle.
 pub type OnDestroy = Box<dyn FnMut() + Send + Sync>;
@@ -131,21 +142,38 @@ impl Filesystem for KllmFs {
         _lock_owner: Option<LockOwner>,
         reply: ReplyData,
     ) {
-        match self.view.read(ino.0, offset, size as usize) {
-            Ok(data) => reply.data(&data),
-            Err(e) => {
-                let errno = match &e {
-                    ReadError::Io(io) if io.raw_os_error() == Some(libc::EISDIR) => Errno::EISDIR,
-                    ReadError::Io(io) if io.raw_os_error() == Some(libc::ENOENT) => Errno::ENOENT,
-                    _ => Errno::EIO,
-                };
-                log::error!(
-                    "read of {} at {offset} (+{size}) failed: {e}",
-                    self.view.path_of(ino.0)
-                );
-                reply.error(errno);
+        REPLY.with_borrow_mut(|buf| {
+            let result = self
+                .view
+                .readable_len(ino.0, offset, size as usize)
+                .and_then(|len| {
+                    if buf.as_ref().is_none_or(|b| b.len() < len) {
+                        *buf = Some(SecureBuf::new(len.max(REPLY_MIN))?);
+                    }
+                    let out = &mut buf.as_mut().expect("just made")[..len];
+                    self.view.read_into(ino.0, offset, out)?;
+                    Ok(out)
+                });
+            match result {
+                Ok(data) => reply.data(data),
+                Err(e) => {
+                    let errno = match &e {
+                        ReadError::Io(io) if io.raw_os_error() == Some(libc::EISDIR) => {
+                            Errno::EISDIR
+                        }
+                        ReadError::Io(io) if io.raw_os_error() == Some(libc::ENOENT) => {
+                            Errno::ENOENT
+                        }
+                        _ => Errno::EIO,
+                    };
+                    log::error!(
+                        "read of {} at {offset} (+{size}) failed: {e}",
+                        self.view.path_of(ino.0)
+                    );
+                    reply.error(errno);
+                }
             }
-        }
+        });
     }
 
     fn flush(

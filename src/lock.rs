@@ -234,10 +234,11 @@ impl TensorLock {
 
     /// Key stream bytes for codes `[first_code, ...)` into `ks` (`width` bytes a code).
     fn keystream(&self, first_code: u64, ks: &mut [u8]) {
-        ks.fill(0);
         let pos = first_code * self.stream_width() as u64;
         match self.version {
             Version::V1 => {
+                // cipher 0.4 has no write_keystream: XOR into zeros.
+                ks.fill(0);
                 let mut c = Aes256Ctr::new(self.stream_key.bytes().into(), &[0u8; 16].into());
                 c.seek(pos);
                 c.apply_keystream(ks);
@@ -247,7 +248,7 @@ impl TensorLock {
                 let mut c =
                     chacha20::ChaCha20::new(self.stream_key.bytes().into(), &[0u8; 12].into());
                 c.seek(pos);
-                c.apply_keystream(ks);
+                c.write_keystream(ks);
             }
         }
     }
@@ -362,7 +363,13 @@ macro_rules! float_lanes {
         for (v, w) in $part.chunks_exact_mut(VB).zip($ks.chunks_exact(4)) {
             let code = <$v>::from_le_bytes(v.try_into().expect("value")) as u32;
             let word = u32::from_le_bytes(w.try_into().expect("word"));
-            let off = ((word as u64 * span as u64) >> 32) as u32;
+            let off = if VB <= 2 {
+                // Spans of 8- and 16-bit codes are at most 2^16, so the product splits
+                // into two 32-bit ones: a full 8-lane multiply instead of a 4-lane one.
+                split_mul_high(word, span)
+            } else {
+                ((word as u64 * span as u64) >> 32) as u32
+            };
             let idx = (code & mag_mask) + (code >> shift) * m;
             let p = if $lock {
                 let t = idx as u64 + off as u64;
@@ -398,30 +405,173 @@ macro_rules! float_lanes {
 /// The narrow-stream kernels, compiled twice: for the baseline target and with AVX2, picked
 /// at run time. With AVX2 the 32-bit lanes become 8-wide vectors.
 macro_rules! narrow_kernels {
-    ($($plain:ident, $avx2:ident, $v:ty;)*) => {$(
+    ($body:ident: $($plain:ident, $avx2:ident, $avx512:ident, $v:ty;)*) => {$(
         fn $plain<const LOCK: bool>(k: &Kernel, part: &mut [u8], ks: &[u8]) {
-            float_lanes!(k, part, ks, $v, u32, LOCK)
+            $body!(k, part, ks, $v, u32, LOCK)
         }
 
         #[cfg(target_arch = "x86_64")]
         #[target_feature(enable = "avx2")]
         fn $avx2<const LOCK: bool>(k: &Kernel, part: &mut [u8], ks: &[u8]) {
-            float_lanes!(k, part, ks, $v, u32, LOCK)
+            $body!(k, part, ks, $v, u32, LOCK)
+        }
+
+        #[cfg(target_arch = "x86_64")]
+        #[target_feature(enable = "avx512f,avx512bw,avx512vl")]
+        fn $avx512<const LOCK: bool>(k: &Kernel, part: &mut [u8], ks: &[u8]) {
+            $body!(k, part, ks, $v, u32, LOCK)
         }
     )*};
 }
 
-narrow_kernels! {
-    narrow_u8, narrow_u8_avx2, u8;
-    narrow_u16, narrow_u16_avx2, u16;
-    narrow_u32, narrow_u32_avx2, u32;
+narrow_kernels! { float_lanes:
+    narrow_u8, narrow_u8_avx2, narrow_u8_avx512, u8;
+    narrow_u16, narrow_u16_avx2, narrow_u16_avx512, u16;
+    narrow_u32, narrow_u32_avx2, narrow_u32_avx512, u32;
 }
 
-macro_rules! narrow {
-    ($k:expr, $part:expr, $ks:expr, $plain:ident, $avx2:ident, $lock:expr) => {{
+/// Unsigned codes (E8M0 scales, index tables), already checked to be below `m` (the span),
+/// so they fit 32-bit lanes whatever their width on disk.
+macro_rules! unsigned_lanes {
+    ($k:expr, $part:expr, $ks:expr, $v:ty, u32, $lock:expr) => {{
+        const VB: usize = std::mem::size_of::<$v>();
+        let span = $k.span as u32;
+        for (v, w) in $part.chunks_exact_mut(VB).zip($ks.chunks_exact(4)) {
+            let x = <$v>::from_le_bytes(v.try_into().expect("value")) as u32;
+            let word = u32::from_le_bytes(w.try_into().expect("word"));
+            let off = if VB <= 2 {
+                split_mul_high(word, span)
+            } else {
+                ((word as u64 * span as u64) >> 32) as u32
+            };
+            let p = if $lock {
+                // Both below span <= 2^31: the sum fits.
+                let t = x + off;
+                if t >= span {
+                    t - span
+                } else {
+                    t
+                }
+            } else {
+                let (d, borrow) = x.overflowing_sub(off);
+                d.wrapping_add(span * borrow as u32)
+            };
+            v.copy_from_slice(&(p as $v).to_le_bytes());
+        }
+    }};
+}
+
+narrow_kernels! { unsigned_lanes:
+    unsigned_u8, unsigned_u8_avx2, unsigned_u8_avx512, u8;
+    unsigned_u16, unsigned_u16_avx2, unsigned_u16_avx512, u16;
+    unsigned_u32, unsigned_u32_avx2, unsigned_u32_avx512, u32;
+}
+
+/// Two 4-bit sign-magnitude codes a byte, low nibble first, each with its own stream word.
+macro_rules! fp4_lanes {
+    ($k:expr, $part:expr, $ks:expr, $v:ty, u32, $lock:expr) => {{
+        let (m, span) = ($k.m as u32, $k.span as u32);
+        for (v, w) in $part.iter_mut().zip($ks.chunks_exact(8)) {
+            let mut res = 0u32;
+            for half in 0..2 {
+                let code = (*v as u32 >> (4 * half)) & 0xF;
+                let word = u32::from_le_bytes(w[4 * half..4 * half + 4].try_into().expect("word"));
+                let off = split_mul_high(word, span);
+                let idx = (code & 7) + (code >> 3) * m;
+                let p = if $lock {
+                    let t = idx + off;
+                    if t >= span {
+                        t - span
+                    } else {
+                        t
+                    }
+                } else {
+                    let (d, borrow) = idx.overflowing_sub(off);
+                    d.wrapping_add(span * borrow as u32)
+                };
+                let high = (p >= m) as u32;
+                res |= (p - m * high | high << 3) << (4 * half);
+            }
+            *v = res as u8;
+        }
+    }};
+}
+
+narrow_kernels! { fp4_lanes:
+    fp4_plain, fp4_avx2, fp4_avx512, u8;
+}
+
+/// Whether the AVX-512 builds of the kernels may run (checked once; the macro caches it).
+#[cfg(target_arch = "x86_64")]
+fn has_avx512() -> bool {
+    std::arch::is_x86_feature_detected!("avx512f")
+        && std::arch::is_x86_feature_detected!("avx512bw")
+        && std::arch::is_x86_feature_detected!("avx512vl")
+}
+
+/// `(word * span) >> 32` for `span <= 2^16`, in 32-bit arithmetic: exact, because
+/// `floor((hi * 2^16 * span + lo * span) / 2^32) = (hi * span + (lo * span >> 16)) >> 16`
+/// and neither sum can overflow 32 bits.
+#[inline(always)]
+fn split_mul_high(word: u32, span: u32) -> u32 {
+    debug_assert!(span <= 1 << 16);
+    ((word >> 16) * span + (((word & 0xFFFF) * span) >> 16)) >> 16
+}
+
+/// The largest magnitude among sign-magnitude values: a reduction without an early exit,
+/// so it vectorizes (the domain check runs on every decoded value).
+macro_rules! max_magnitude {
+    ($($plain:ident, $avx2:ident, $v:ty;)*) => {$(
+        fn $plain(part: &[u8]) -> u64 {
+            max_magnitude!(@body part, $v)
+        }
+
+        #[cfg(target_arch = "x86_64")]
+        #[target_feature(enable = "avx2")]
+        fn $avx2(part: &[u8]) -> u64 {
+            max_magnitude!(@body part, $v)
+        }
+    )*};
+    (@body $part:expr, $v:ty) => {{
+        const VB: usize = std::mem::size_of::<$v>();
+        let mask: $v = <$v>::MAX >> 1;
+        $part
+            .chunks_exact(VB)
+            .map(|v| <$v>::from_le_bytes(v.try_into().expect("value")) & mask)
+            .fold(0, <$v>::max) as u64
+    }};
+}
+
+max_magnitude! {
+    max_mag_u8, max_mag_u8_avx2, u8;
+    max_mag_u16, max_mag_u16_avx2, u16;
+    max_mag_u32, max_mag_u32_avx2, u32;
+}
+
+macro_rules! with_avx2 {
+    ($plain:ident, $avx2:ident, $($arg:expr),*) => {{
         #[cfg(target_arch = "x86_64")]
         {
             if std::arch::is_x86_feature_detected!("avx2") {
+                // SAFETY: the CPU was just found to support AVX2.
+                unsafe { $avx2($($arg),*) }
+            } else {
+                $plain($($arg),*)
+            }
+        }
+        #[cfg(not(target_arch = "x86_64"))]
+        $plain($($arg),*)
+    }};
+}
+
+macro_rules! narrow {
+    ($k:expr, $part:expr, $ks:expr, $plain:ident, $avx2:ident, $avx512:ident, $lock:expr) => {{
+        #[cfg(target_arch = "x86_64")]
+        {
+            if has_avx512() {
+                // SAFETY: the CPU was just found to support these AVX-512 subsets.
+                unsafe { $avx512::<$lock>($k, $part, $ks) }
+            } else if std::arch::is_x86_feature_detected!("avx2") {
                 // SAFETY: the CPU was just found to support AVX2.
                 unsafe { $avx2::<$lock>($k, $part, $ks) }
             } else {
@@ -490,18 +640,44 @@ impl Kernel {
     ) -> Option<usize> {
         let sign_bit = 1u64 << (8 * W - 1);
         let m = self.m;
-        if part
-            .chunks_exact(W)
-            .any(|v| Self::load::<W>(v) & (sign_bit - 1) >= m)
-        {
+        let largest = match W {
+            1 => with_avx2!(max_mag_u8, max_mag_u8_avx2, part),
+            2 => with_avx2!(max_mag_u16, max_mag_u16_avx2, part),
+            _ => with_avx2!(max_mag_u32, max_mag_u32_avx2, part),
+        };
+        if largest >= m {
             return part
                 .chunks_exact(W)
                 .position(|v| Self::load::<W>(v) & (sign_bit - 1) >= m);
         }
         match (W, WIDE) {
-            (1, false) => narrow!(self, part, ks, narrow_u8, narrow_u8_avx2, LOCK),
-            (2, false) => narrow!(self, part, ks, narrow_u16, narrow_u16_avx2, LOCK),
-            (4, false) => narrow!(self, part, ks, narrow_u32, narrow_u32_avx2, LOCK),
+            (1, false) => narrow!(
+                self,
+                part,
+                ks,
+                narrow_u8,
+                narrow_u8_avx2,
+                narrow_u8_avx512,
+                LOCK
+            ),
+            (2, false) => narrow!(
+                self,
+                part,
+                ks,
+                narrow_u16,
+                narrow_u16_avx2,
+                narrow_u16_avx512,
+                LOCK
+            ),
+            (4, false) => narrow!(
+                self,
+                part,
+                ks,
+                narrow_u32,
+                narrow_u32_avx2,
+                narrow_u32_avx512,
+                LOCK
+            ),
             (1, true) => float_lanes!(self, part, ks, u8, u64, LOCK),
             (2, true) => float_lanes!(self, part, ks, u16, u64, LOCK),
             _ => float_lanes!(self, part, ks, u32, u64, LOCK),
@@ -527,6 +703,80 @@ impl Kernel {
         if let Some(i) = part.chunks_exact(W).position(|v| unsigned(v) >= m) {
             return Some(i);
         }
+        if !wide {
+            match (W, lock) {
+                (1, false) => narrow!(
+                    self,
+                    part,
+                    ks,
+                    unsigned_u8,
+                    unsigned_u8_avx2,
+                    unsigned_u8_avx512,
+                    false
+                ),
+                (1, true) => narrow!(
+                    self,
+                    part,
+                    ks,
+                    unsigned_u8,
+                    unsigned_u8_avx2,
+                    unsigned_u8_avx512,
+                    true
+                ),
+                (2, false) => narrow!(
+                    self,
+                    part,
+                    ks,
+                    unsigned_u16,
+                    unsigned_u16_avx2,
+                    unsigned_u16_avx512,
+                    false
+                ),
+                (2, true) => narrow!(
+                    self,
+                    part,
+                    ks,
+                    unsigned_u16,
+                    unsigned_u16_avx2,
+                    unsigned_u16_avx512,
+                    true
+                ),
+                (4, false) => narrow!(
+                    self,
+                    part,
+                    ks,
+                    unsigned_u32,
+                    unsigned_u32_avx2,
+                    unsigned_u32_avx512,
+                    false
+                ),
+                (4, true) => narrow!(
+                    self,
+                    part,
+                    ks,
+                    unsigned_u32,
+                    unsigned_u32_avx2,
+                    unsigned_u32_avx512,
+                    true
+                ),
+                _ => self.index_wide_or_long::<W>(part, ks, wide, lock),
+            }
+            return None;
+        }
+        self.index_wide_or_long::<W>(part, ks, wide, lock);
+        None
+    }
+
+    /// Unsigned codes the 32-bit lanes do not cover: 8-byte integers, or 64-bit stream words.
+    fn index_wide_or_long<const W: usize>(
+        &self,
+        part: &mut [u8],
+        ks: &[u8],
+        wide: bool,
+        lock: bool,
+    ) {
+        let code = |v: &[u8]| sign_extend(Self::load::<W>(v), W) as u64;
+        let unsigned = |v: &[u8]| if W == 1 { v[0] as u64 } else { code(v) };
         for (i, v) in part.chunks_exact_mut(W).enumerate() {
             let off = if wide {
                 self.offset::<true>(ks, i)
@@ -541,33 +791,24 @@ impl Kernel {
             };
             v.copy_from_slice(&p.to_le_bytes()[..W]);
         }
-        None
     }
 
     /// Two 4-bit sign-magnitude codes a byte, low nibble first (code `2j` and `2j + 1`).
     fn fp4(&self, part: &mut [u8], ks: &[u8], lock: bool) -> Option<usize> {
         let m = self.m;
-        if let Some(i) = part
+        let largest = part
             .iter()
-            .position(|&b| (b & 7) as u64 >= m || ((b >> 4) & 7) as u64 >= m)
-        {
-            return Some(i);
+            .map(|&b| (b & 7).max((b >> 4) & 7))
+            .fold(0, u8::max);
+        if largest as u64 >= m {
+            return part
+                .iter()
+                .position(|&b| (b & 7) as u64 >= m || ((b >> 4) & 7) as u64 >= m);
         }
-        for (i, v) in part.iter_mut().enumerate() {
-            let mut res = 0u8;
-            for k in 0..2 {
-                let code = ((*v >> (4 * k)) & 0xF) as u64;
-                let idx = (code & 7) + if code & 8 != 0 { m } else { 0 };
-                let off = self.offset::<false>(ks, 2 * i + k);
-                let p = if lock {
-                    self.apply::<true>(idx, off)
-                } else {
-                    self.apply::<false>(idx, off)
-                };
-                let nib = if p >= m { (p - m) | 8 } else { p };
-                res |= (nib as u8) << (4 * k);
-            }
-            *v = res;
+        if lock {
+            narrow!(self, part, ks, fp4_plain, fp4_avx2, fp4_avx512, true)
+        } else {
+            narrow!(self, part, ks, fp4_plain, fp4_avx2, fp4_avx512, false)
         }
         None
     }
@@ -595,6 +836,113 @@ mod tests {
         assert!(!Codec::Index { bytes: 2 }.valid_domain(40000));
         assert!(Codec::v2("index", Dtype::F32).is_none());
         assert!(Codec::v2("e2m1x2", Dtype::U8).is_some());
+    }
+
+    fn xorshift(seed: &mut u64) -> u64 {
+        *seed ^= *seed << 13;
+        *seed ^= *seed >> 7;
+        *seed ^= *seed << 17;
+        *seed
+    }
+
+    /// The 32-bit lane kernels against the 64-bit scalar arithmetic they replace.
+    #[test]
+    fn lane_kernels_equal_the_scalar_arithmetic() {
+        let mut seed = 0x1234_5678_9ABC_DEF1u64;
+        for round in 0..300 {
+            let n = 1 + (xorshift(&mut seed) % 700) as usize;
+            let mut ks = vec![0u8; n * 8];
+            ks.iter_mut().for_each(|b| *b = xorshift(&mut seed) as u8);
+            for lock in [false, true] {
+                // Unsigned codes of 1, 2 and 4 bytes.
+                for w in [1usize, 2, 4] {
+                    let max_m = match w {
+                        1 => 255,
+                        2 => 1 << 15,
+                        _ => 1 << 31,
+                    };
+                    let m = 1 + xorshift(&mut seed) % max_m;
+                    let k = Kernel { m, span: m };
+                    let mut data = vec![0u8; n * w];
+                    for v in data.chunks_exact_mut(w) {
+                        let x = if round % 7 == 0 {
+                            m - 1
+                        } else {
+                            xorshift(&mut seed) % m
+                        };
+                        v.copy_from_slice(&x.to_le_bytes()[..w]);
+                    }
+                    let mut want = data.clone();
+                    match w {
+                        1 => k.index_wide_or_long::<1>(&mut want, &ks, false, lock),
+                        2 => k.index_wide_or_long::<2>(&mut want, &ks, false, lock),
+                        _ => k.index_wide_or_long::<4>(&mut want, &ks, false, lock),
+                    }
+                    let got = match w {
+                        1 => k.index::<1>(&mut data, &ks, false, lock),
+                        2 => k.index::<2>(&mut data, &ks, false, lock),
+                        _ => k.index::<4>(&mut data, &ks, false, lock),
+                    };
+                    assert_eq!(got, None);
+                    assert_eq!(data, want, "index w={w} m={m:#x} lock={lock}");
+                }
+                // FP4 pairs against the per-nibble scalar formula.
+                let m = [2u64, 4, 6, 8][(xorshift(&mut seed) % 4) as usize];
+                let k = Kernel { m, span: 2 * m };
+                let mut data: Vec<u8> = (0..n)
+                    .map(|_| {
+                        let lo = xorshift(&mut seed) % (2 * m);
+                        let hi = xorshift(&mut seed) % (2 * m);
+                        let nib = |c: u64| if c >= m { (c - m) | 8 } else { c } as u8;
+                        nib(lo) | nib(hi) << 4
+                    })
+                    .collect();
+                let want: Vec<u8> = data
+                    .iter()
+                    .enumerate()
+                    .map(|(i, &b)| {
+                        let mut res = 0u8;
+                        for h in 0..2 {
+                            let code = ((b >> (4 * h)) & 0xF) as u64;
+                            let idx = (code & 7) + if code & 8 != 0 { m } else { 0 };
+                            let off = k.offset::<false>(&ks, 2 * i + h);
+                            let p = if lock {
+                                k.apply::<true>(idx, off)
+                            } else {
+                                k.apply::<false>(idx, off)
+                            };
+                            let nib = if p >= m { (p - m) | 8 } else { p };
+                            res |= (nib as u8) << (4 * h);
+                        }
+                        res
+                    })
+                    .collect();
+                assert_eq!(k.fp4(&mut data, &ks, lock), None);
+                assert_eq!(data, want, "fp4 m={m} lock={lock}");
+            }
+        }
+    }
+
+    #[test]
+    fn split_multiply_is_exact() {
+        let mut x = 0x9E37_79B9_7F4A_7C15u64;
+        let spans = [
+            1u32, 2, 0xFE, 0x100, 0x8000, 0xF800, 0xFF00, 0xFFFF, 0x10000,
+        ];
+        for i in 0..200_000u32 {
+            x ^= x << 13;
+            x ^= x >> 7;
+            x ^= x << 17;
+            let word = match i {
+                0 => 0,
+                1 => u32::MAX,
+                _ => x as u32,
+            };
+            for &span in &spans {
+                let exact = ((word as u64 * span as u64) >> 32) as u32;
+                assert_eq!(split_mul_high(word, span), exact, "{word:#x} * {span:#x}");
+            }
+        }
     }
 
     #[test]

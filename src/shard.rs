@@ -22,6 +22,8 @@ pub const MAX_HEADER: u64 = 100_000_000;
 pub type RawReader<'a> = dyn Fn(u64, &mut [u8]) -> io::Result<()> + Sync + 'a;
 
 /// Reads at least twice this long are decoded on several cores.
+/// Bytes read and decoded in one step: a fraction of a core's L2 cache.
+const DECODE_CHUNK: usize = 64 << 10;
 const PARALLEL_MIN: usize = 128 << 10;
 
 /// One locked tensor: where its bytes are in the file, and how to decode them.
@@ -317,7 +319,6 @@ impl Shard {
             return Ok(());
         }
         let data = &mut out[(pos - off) as usize..];
-        raw(pos, data)?;
         let threads = rayon::current_num_threads();
         if data.len() >= 2 * PARALLEL_MIN && threads > 1 {
             // One reader keeps about one request in flight: spread its decoding over the
@@ -326,10 +327,26 @@ impl Shard {
             let piece = data.len().div_ceil(threads).max(PARALLEL_MIN);
             data.par_chunks_mut(piece)
                 .enumerate()
-                .try_for_each(|(i, part)| self.decode_span(pos + (i * piece) as u64, part, raw))
+                .try_for_each(|(i, part)| self.read_data(pos + (i * piece) as u64, part, raw))
         } else {
-            self.decode_span(pos, data, raw)
+            self.read_data(pos, data, raw)
         }
+    }
+
+    /// Read and decode data bytes a cache-sized chunk at a time: each chunk is decoded
+    /// while the copy that brought it is still in the core's cache.
+    fn read_data(
+        &self,
+        pos: u64,
+        buf: &mut [u8],
+        raw: &RawReader<'_>,
+    ) -> std::result::Result<(), ReadError> {
+        for (i, chunk) in buf.chunks_mut(DECODE_CHUNK).enumerate() {
+            let at = pos + (i * DECODE_CHUNK) as u64;
+            raw(at, chunk)?;
+            self.decode_span(at, chunk, raw)?;
+        }
+        Ok(())
     }
 
     /// Decode in place the locked tensors' bytes inside `buf`, the sealed bytes at `pos`.

@@ -177,13 +177,34 @@ impl View {
 
     /// Bytes `[off, off + size)` of a file, cut at its end.
     pub fn read(&self, ino: Ino, off: u64, size: usize) -> Result<Wiped, ReadError> {
+        let len = self.readable_len(ino, off, size)?;
+        let mut out = Wiped::zeroed(len);
+        self.read_into(ino, off, &mut out)?;
+        Ok(out)
+    }
+
+    /// How many bytes a read of `size` at `off` returns: cut at the end of the file.
+    pub fn readable_len(&self, ino: Ino, off: u64, size: usize) -> Result<usize, ReadError> {
         let node = self
             .node(ino)
             .ok_or_else(|| ReadError::Io(std::io::Error::from_raw_os_error(libc::ENOENT)))?;
-        let len = node.attr.size.saturating_sub(off).min(size as u64) as usize;
-        let mut out = Wiped::zeroed(len);
+        Ok(node.attr.size.saturating_sub(off).min(size as u64) as usize)
+    }
+
+    /// Fill `out` with the bytes at `off` (the caller cut `out` with `readable_len`), so a
+    /// caller can reuse one buffer for every read.
+    pub fn read_into(&self, ino: Ino, off: u64, out: &mut [u8]) -> Result<(), ReadError> {
+        let node = self
+            .node(ino)
+            .ok_or_else(|| ReadError::Io(std::io::Error::from_raw_os_error(libc::ENOENT)))?;
+        let len = out.len();
         if len == 0 {
-            return Ok(out);
+            return Ok(());
+        }
+        if off + len as u64 > node.attr.size {
+            return Err(ReadError::Io(std::io::Error::from_raw_os_error(
+                libc::EINVAL,
+            )));
         }
         match &node.content {
             Content::Dir(_) => {
@@ -209,12 +230,12 @@ impl View {
                         file.get_or_init(|| Arc::new(opened))
                     }
                 };
-                f.read_exact_at(&mut out, off)?;
+                f.read_exact_at(out, off)?;
             }
             Content::Shard {
                 file, shard, stamp, ..
             } => {
-                self.read_shard(ino, file, shard, off, &mut out)?;
+                self.read_shard(ino, file, shard, off, out)?;
                 // Bytes decoded from a file rewritten since mounting are wrong: checked
                 // after reading, so a change before or during the read is caught.
                 let touched_data = off + len as u64 > shard.data_start;
@@ -223,7 +244,7 @@ impl View {
                 }
             }
         }
-        Ok(out)
+        Ok(())
     }
 
     /// A path-based read, the core's whole contract: bytes `[off, off+len)` of path P.

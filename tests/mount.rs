@@ -605,6 +605,43 @@ fn good_vectors_cache_0() {
     every_good_vector(&["--cache-size", "0"], "--cache-size 0", 3);
 }
 
+/// The mount's readahead window in KiB, from its backing device's sysfs knob.
+fn read_ahead_kb(m: &Mnt) -> u64 {
+    use std::os::unix::fs::MetadataExt;
+    let dev = fs::metadata(&m.mp).unwrap().dev();
+    let knob = format!(
+        "/sys/class/bdi/{}:{}/read_ahead_kb",
+        libc::major(dev),
+        libc::minor(dev)
+    );
+    fs::read_to_string(&knob)
+        .unwrap_or_else(|e| panic!("{knob}: {e}"))
+        .trim()
+        .parse()
+        .unwrap()
+}
+
+#[test]
+fn readahead_window_is_set_as_asked() {
+    if unsafe { libc::geteuid() } != 0 {
+        eprintln!("skipped: only root may set a mount's readahead");
+        return;
+    }
+    let case = cases().into_iter().find(|c| c.ok()).unwrap();
+    let m = mount_case(&case, &[]);
+    assert_eq!(read_ahead_kb(&m), 8192, "default --readahead 8M");
+    drop(m);
+    let m = mount_case(&case, &["--readahead", "2M"]);
+    assert_eq!(read_ahead_kb(&m), 2048);
+    drop(m);
+    let m = mount_case(&case, &["--readahead", "0"]);
+    assert!(
+        read_ahead_kb(&m) < 2048,
+        "--readahead 0 keeps the kernel's window"
+    );
+    check_mounted_case(&case, &m, "--readahead 0", 4);
+}
+
 // ---------------------------------------------------------------------------------------
 // 2. Read-only
 // ---------------------------------------------------------------------------------------
