@@ -45,7 +45,7 @@ pub struct Args {
     /// The kernel's readahead window for the mount (K/M/G suffixes). Sequential readers
     /// then keep several requests in flight, decoded in parallel. Applied only as root;
     /// 0 keeps the kernel's 128 KiB.
-    #[arg(long, value_name = "SIZE", default_value = "8M", value_parser = parse_size)]
+    #[arg(long, value_name = "SIZE", default_value = "4M", value_parser = parse_size)]
     pub readahead: u64,
     /// Threads serving kernel requests.
     #[arg(long, value_name = "N", default_value_t = default_threads())]

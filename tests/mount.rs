@@ -629,7 +629,7 @@ fn readahead_window_is_set_as_asked() {
     }
     let case = cases().into_iter().find(|c| c.ok()).unwrap();
     let m = mount_case(&case, &[]);
-    assert_eq!(read_ahead_kb(&m), 8192, "default --readahead 8M");
+    assert_eq!(read_ahead_kb(&m), 4096, "default --readahead 4M");
     drop(m);
     let m = mount_case(&case, &["--readahead", "2M"]);
     assert_eq!(read_ahead_kb(&m), 2048);
