@@ -78,6 +78,13 @@ def read_seq(path, start=0, length=None):
         os.close(fd)
 
 
+def busy_seconds():
+    """CPU time spent by the whole machine, all cores (user, nice, system, irq, softirq)."""
+    with open("/proc/stat") as f:
+        t = [int(x) for x in f.readline().split()[1:8]]
+    return (t[0] + t[1] + t[2] + t[5] + t[6]) / os.sysconf("SC_CLK_TCK")
+
+
 def read_mmap(path):
     """Map the file and touch one byte of every 4 KiB page, in order (as a safetensors
     mmap load does); returns (bytes, seconds)."""
@@ -441,8 +448,12 @@ class Bench:
             self.mount(s, ds)
         try:
             p = self.path(s, ds)
+            cpu0 = busy_seconds()
             n, dt = self.measure(metric, p)
             res[metric][s] = n / dt / MiB
+            if metric == "seq":
+                # what reading costs the machine: reader, kernel and daemon together
+                res.setdefault("cpu_s_per_gib", {})[s] = (busy_seconds() - cpu0) / (n / 2**30)
             if metric == "seq":
                 # warm re-read: passes through this mount interleaved with raw page-cache
                 # reads of the plain file, median of WARM_PASSES each
@@ -710,6 +721,11 @@ def report(b, info, decode_table, cmdline, started, elapsed):
             w(f"| {names[m]} | {vals['kllm']:.0f} | {vals['bindfs']:.0f} | {vals['gocryptfs']:.0f} | "
               f"{vals['raw']:.0f} | {fmt_ratio(ratios(ds, m, 'bindfs'))} | "
               f"{fmt_ratio(ratios(ds, m, 'gocryptfs'))} | {fmt_ratio(to_raw)} |")
+        w("")
+        cpu = {s: med([r["datasets"][ds]["cpu_s_per_gib"][s] for r in rounds]) for s in SYSTEMS}
+        w("CPU time of the whole machine (all cores: reader, kernel, daemon) per GiB of cold "
+          "sequential read, median: " + ", ".join(f"{s} {cpu[s]:.2f} s" for s in SYSTEMS)
+          + f" ({info['cores']} cores).")
         w("")
         w("Warm re-read vs raw page cache, each system: " + ", ".join(
             f"{s} {fmt_ratio(warm_ratios(ds, s))}" for s in SYSTEMS if s != "raw")
