@@ -318,17 +318,23 @@ class Bench:
         try:
             p = self.path(s, ds)
             read_seq(p)
-            raw = self.path("raw", ds)
-            w, wr = [], []
-            for _ in range(WARM_PASSES):
-                n, dt = read_seq(p)
-                w.append(n / dt / MiB)
-                n, dt = read_seq(raw)
-                wr.append(n / dt / MiB)
-            res["warm"][s] = statistics.median(w)
-            res["warm_raw"][s] = statistics.median(wr)
+            self.measure_warm(s, ds, p, res)
         finally:
             self.umount(s, ds)
+
+    def measure_warm(self, s, ds, p, res):
+        """Warm re-read of `p` (already read once through system `s`): passes through the
+        mount interleaved with raw page-cache reads of the plain file, median of
+        WARM_PASSES each."""
+        raw = self.path("raw", ds)
+        w, wr = [], []
+        for _ in range(WARM_PASSES):
+            n, dt = read_seq(p)
+            w.append(n / dt / MiB)
+            n, dt = read_seq(raw)
+            wr.append(n / dt / MiB)
+        res["warm"][s] = statistics.median(w)
+        res["warm_raw"][s] = statistics.median(wr)
 
     def path(self, system, ds):
         f = self.data[ds]["file"]
@@ -455,17 +461,7 @@ class Bench:
                 # what reading costs the machine: reader, kernel and daemon together
                 res.setdefault("cpu_s_per_gib", {})[s] = (busy_seconds() - cpu0) / (n / 2**30)
             if metric == "seq":
-                # warm re-read: passes through this mount interleaved with raw page-cache
-                # reads of the plain file, median of WARM_PASSES each
-                raw = self.path("raw", ds)
-                w, wr = [], []
-                for _ in range(WARM_PASSES):
-                    n, dt = read_seq(p)
-                    w.append(n / dt / MiB)
-                    n, dt = read_seq(raw)
-                    wr.append(n / dt / MiB)
-                res["warm"][s] = statistics.median(w)
-                res["warm_raw"][s] = statistics.median(wr)
+                self.measure_warm(s, ds, p, res)
         finally:
             if s != "raw":
                 self.umount(s, ds)
@@ -480,23 +476,21 @@ class Bench:
         order = SYSTEMS[rot:] + SYSTEMS[:rot]
         for ds, d in self.data.items():
             res = {m: {} for m in METRICS + ["warm", "warm_raw"]}
+            def undisturbed(what, measure):
+                for _ in range(1 + RETRIES):
+                    drops = drop_count()
+                    measure()
+                    if drop_count() == drops:
+                        break
+                    # another process dropped the page cache during the measurement
+                    rec["disturbed"] += 1
+                    log(f"round {r + 1} {ds} {what}: the page cache was dropped "
+                        "by another process during the measurement; measuring again")
+
             for metric in METRICS:
                 for s in order:
-                    for attempt in range(1 + RETRIES):
-                        drops = drop_count()
-                        self.measure_one(metric, s, ds, res)
-                        if drop_count() == drops:
-                            break
-                        # another process dropped the page cache during the measurement
-                        rec["disturbed"] += 1
-                        log(f"round {r + 1} {ds} {metric} {s}: the page cache was dropped "
-                            "by another process during the measurement; measuring again")
-            for attempt in range(1 + RETRIES):
-                drops = drop_count()
-                self.measure_warm_ceiling(ds, res)
-                if drop_count() == drops:
-                    break
-                rec["disturbed"] += 1
+                    undisturbed(f"{metric} {s}", lambda: self.measure_one(metric, s, ds, res))
+            undisturbed("warm ceiling", lambda: self.measure_warm_ceiling(ds, res))
             rec["datasets"][ds] = res
             log(f"round {r + 1} {ds}: " + "; ".join(
                 f"{m} " + " ".join(f"{s}={res[m][s]:.0f}" for s in SYSTEMS) for m in METRICS + ["warm"])
