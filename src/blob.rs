@@ -233,6 +233,7 @@ pub fn read(path: &Path, key: &ModelKey) -> Result<SecretFiles> {
 }
 
 /// Seal `payload` as kLLM does (used by the test sealer).
+#[cfg(feature = "seal")]
 pub fn seal(payload: &[u8], key: &ModelKey, salt: [u8; 16], chunk: u64) -> Vec<u8> {
     let chunks = payload.len().div_ceil(chunk as usize).max(1) as u64;
     let header = crate::pyjson::dumps_sorted(&serde_json::json!({

@@ -10,5 +10,6 @@ pub mod fuse;
 pub mod sealed;
 pub mod secmem;
 pub mod shard;
+#[cfg(feature = "seal")]
 pub mod testseal;
 pub mod view;
