@@ -7,9 +7,12 @@
 use std::num::NonZeroUsize;
 use std::sync::Arc;
 
-use crate::secmem::SecureBuf;
 use lru::LruCache;
 use parking_lot::Mutex;
+
+use crate::secmem::SecureBuf;
+use crate::shard::{RawReader, Shard};
+use crate::ReadError;
 
 pub type Block = Arc<SecureBuf>;
 
@@ -60,6 +63,64 @@ impl BlockCache {
         1 << (63 - b.leading_zeros())
     }
 
+    /// View bytes `[off, off + out.len())` of the locked shard `file`, through the cache.
+    ///
+    /// A read that covers whole blocks decodes straight into `out`: the kernel keeps those
+    /// pages (FOPEN_KEEP_CACHE), so caching them here too would only cost a copy. The cache
+    /// serves the pieces of blocks that reads cut, so a run of small reads decodes each
+    /// block once.
+    pub fn read_shard(
+        &self,
+        file: u64,
+        shard: &Shard,
+        off: u64,
+        out: &mut [u8],
+        raw: &RawReader<'_>,
+    ) -> Result<(), ReadError> {
+        if !self.enabled() {
+            return shard.read(off, out, raw);
+        }
+        let bs = self.block_size;
+        let end = off + out.len() as u64;
+        let mut pos = off;
+        while pos < end {
+            let block = pos / bs;
+            let b_start = block * bs;
+            let b_end = (b_start + bs).min(shard.file_len);
+            if pos == b_start && end >= b_end {
+                let whole_end = b_start + (end - b_start) / bs * bs;
+                let upto = whole_end.max(b_end).min(end);
+                shard.read(
+                    pos,
+                    &mut out[(pos - off) as usize..(upto - off) as usize],
+                    raw,
+                )?;
+                pos = upto;
+                continue;
+            }
+            let data = match self.get(file, block) {
+                Some(d) => d,
+                None => {
+                    let mut buf = SecureBuf::new((b_end - b_start) as usize)?;
+                    if let Err(e) = shard.read(b_start, &mut buf, raw) {
+                        // A bad value elsewhere in the block must not fail this read: serve
+                        // exactly the range asked for, which fails only if it holds one.
+                        log::debug!("block {block} of file {file} not cached: {e}");
+                        return shard.read(off, out, raw);
+                    }
+                    let d = Arc::new(buf);
+                    self.insert(file, block, d.clone());
+                    d
+                }
+            };
+            let upto = end.min(b_end);
+            out[(pos - off) as usize..(upto - off) as usize]
+                .copy_from_slice(&data[(pos - b_start) as usize..(upto - b_start) as usize]);
+            pos = upto;
+        }
+        Ok(())
+    }
+
     /// Bytes held now (for tests and the RSS benchmark).
     pub fn held_bytes(&self) -> u64 {
         self.lru
@@ -68,47 +129,9 @@ impl BlockCache {
     }
 }
 
-/// Parse `256M`, `1G`, `4096`, `64k` (binary units).
-pub fn parse_size(text: &str) -> Result<u64, String> {
-    let t = text.trim();
-    let (num, mult) = match t.char_indices().last() {
-        Some((i, c)) if c.is_ascii_alphabetic() => {
-            let mult = match c.to_ascii_uppercase() {
-                'K' => 1u64 << 10,
-                'M' => 1 << 20,
-                'G' => 1 << 30,
-                'T' => 1 << 40,
-                _ => {
-                    return Err(format!(
-                        "unknown size suffix in {text:?} (use K, M, G or T)"
-                    ))
-                }
-            };
-            (&t[..i], mult)
-        }
-        _ => (t, 1),
-    };
-    let n: u64 = num
-        .trim()
-        .parse()
-        .map_err(|_| format!("{text:?} is not a size (e.g. 512M, 2G)"))?;
-    n.checked_mul(mult)
-        .ok_or_else(|| format!("{text:?} is too large"))
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    #[test]
-    fn sizes() {
-        assert_eq!(parse_size("4096").unwrap(), 4096);
-        assert_eq!(parse_size("64k").unwrap(), 64 << 10);
-        assert_eq!(parse_size("512M").unwrap(), 512 << 20);
-        assert_eq!(parse_size("2G").unwrap(), 2 << 30);
-        assert!(parse_size("12Q").is_err());
-        assert!(parse_size("M").is_err());
-    }
 
     #[test]
     fn bounded_and_evicting() {

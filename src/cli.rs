@@ -11,10 +11,9 @@ use std::time::Duration;
 use clap::Parser;
 use fuser::{Config, MountOption, Session, SessionACL};
 
-use crate::cache::parse_size;
 use crate::fuse::KllmFs;
 use crate::key;
-use crate::sealed::{self, Options, Seal};
+use crate::sealed::{self, Options};
 use crate::view::View;
 use crate::{Error, Result};
 
@@ -53,6 +52,34 @@ pub struct Args {
     /// Append log lines to FILE (the daemon otherwise logs to syslog; -f logs to stderr).
     #[arg(long, value_name = "FILE")]
     pub log_file: Option<PathBuf>,
+}
+
+/// Parse `256M`, `1G`, `4096`, `64k` (binary units).
+pub fn parse_size(text: &str) -> Result<u64, String> {
+    let t = text.trim();
+    let (num, mult) = match t.char_indices().last() {
+        Some((i, c)) if c.is_ascii_alphabetic() => {
+            let mult = match c.to_ascii_uppercase() {
+                'K' => 1u64 << 10,
+                'M' => 1 << 20,
+                'G' => 1 << 30,
+                'T' => 1 << 40,
+                _ => {
+                    return Err(format!(
+                        "unknown size suffix in {text:?} (use K, M, G or T)"
+                    ))
+                }
+            };
+            (&t[..i], mult)
+        }
+        _ => (t, 1),
+    };
+    let n: u64 = num
+        .trim()
+        .parse()
+        .map_err(|_| format!("{text:?} is not a size (e.g. 512M, 2G)"))?;
+    n.checked_mul(mult)
+        .ok_or_else(|| format!("{text:?} is too large"))
 }
 
 fn default_threads() -> usize {
@@ -107,24 +134,18 @@ pub fn prepare(args: &Args) -> Result<View> {
         Ok(_) => return Err(Error::at(mp, "mount point is not a directory")),
         Err(e) => return Err(Error::at(mp, format!("mount point is not usable ({e})"))),
     }
-    let seal = Seal::read(&args.sealed)?;
     let (model_key, source) = key::resolve(
         args.key.as_deref(),
         &args.sealed,
         &key::passphrase_from_env_or_prompt,
     )?;
-    seal.check_key(&model_key, &source)?;
     scrub_env(&[key::KEY_ENV, key::PASSPHRASE_ENV]);
-    let opts = Options::with_cache(args.cache_size);
-    let view = sealed::build(&seal, &model_key, &opts)?;
-    log::info!(
-        "{}: {} nodes, lock {}, cache {} bytes",
-        args.sealed.display(),
-        view.len(),
-        seal.lock.map_or("none", |v| v.label()),
-        view.cache().capacity_bytes()
-    );
-    Ok(view)
+    sealed::open(
+        &args.sealed,
+        &model_key,
+        &source,
+        &Options::with_cache(args.cache_size),
+    )
 }
 
 enum Event {
@@ -132,97 +153,108 @@ enum Event {
     Ended(std::io::Result<()>),
 }
 
-/// Mount and serve until unmounted or signalled. `ready` is called once the mount answers.
+/// Mount and serve until unmounted or signalled. `ready` is called once the mount answers,
+/// or with the error that stopped it.
 pub fn serve(args: &Args, view: View, ready: impl FnOnce(Result<()>)) -> Result<()> {
     let (tx, rx) = mpsc::channel();
-    // Signals are caught before mounting, so none can end the process with the mount left.
-    let mut signals =
-        signal_hook::iterator::Signals::new([libc::SIGTERM, libc::SIGINT, libc::SIGHUP])
-            .map_err(|e| Error::new(format!("cannot handle signals ({e})")))?;
-    let cfg = match fuse_config(&args.sealed, &args.options, args.threads) {
-        Ok(c) => c,
+    let mut unmounter = match start_session(args, view, tx) {
+        Ok(u) => u,
         Err(e) => {
             ready(Err(e.clone()));
             return Err(e);
         }
     };
-    let mut session = match Session::new(
-        KllmFs::new(Arc::new(view)).on_destroy(Box::new(|| {
-            log::info!("session ended; exiting");
-            std::process::exit(0)
-        })),
-        &args.mountpoint,
-        &cfg,
-    ) {
-        Ok(s) => s,
-        Err(e) => {
-            let hint = if e.kind() == std::io::ErrorKind::NotFound {
-                " (is fuse3 installed? fusermount3 was not found)"
-            } else {
-                ""
-            };
-            let e = Error::at(&args.mountpoint, format!("cannot mount ({e}){hint}"));
-            ready(Err(e.clone()));
-            return Err(e);
-        }
-    };
-    let mut unmounter = session.unmount_callable();
-    let ended = tx.clone();
-    std::thread::Builder::new()
-        .name("kllm-session".into())
-        .spawn(move || {
-            let _ = ended.send(Event::Ended(session.run()));
-        })
-        .map_err(|e| Error::new(format!("cannot start the session thread ({e})")))?;
-    std::thread::Builder::new()
-        .name("kllm-signals".into())
-        .spawn(move || {
-            if let Some(sig) = signals.forever().next() {
-                let _ = tx.send(Event::Signal(sig));
-            }
-        })
-        .map_err(|e| Error::new(format!("cannot start the signal thread ({e})")))?;
     // The handshake is done; a stat through the kernel proves the mount answers.
-    match std::fs::metadata(&args.mountpoint) {
-        Ok(_) => {
-            raise_readahead(&args.mountpoint, args.readahead);
-            ready(Ok(()))
-        }
-        Err(e) => {
-            let err = Error::at(
-                &args.mountpoint,
-                format!("mounted but does not answer ({e})"),
-            );
-            let _ = unmounter.unmount();
-            ready(Err(err.clone()));
-            return Err(err);
-        }
+    if let Err(e) = std::fs::metadata(&args.mountpoint) {
+        let err = Error::at(
+            &args.mountpoint,
+            format!("mounted but does not answer ({e})"),
+        );
+        let _ = unmounter.unmount();
+        ready(Err(err.clone()));
+        return Err(err);
     }
+    raise_readahead(&args.mountpoint, args.readahead);
+    ready(Ok(()));
     log::info!(
         "mounted {} at {}",
         args.sealed.display(),
         args.mountpoint.display()
     );
-    match rx.recv() {
+    wait_for_end(&args.mountpoint, &rx, unmounter)
+}
+
+/// Catch signals, mount, and run the session and the signal watcher on threads of their
+/// own that report to `events`.
+fn start_session(
+    args: &Args,
+    view: View,
+    events: mpsc::Sender<Event>,
+) -> Result<fuser::SessionUnmounter> {
+    // Signals are caught before mounting, so none can end the process with the mount left.
+    let mut signals =
+        signal_hook::iterator::Signals::new([libc::SIGTERM, libc::SIGINT, libc::SIGHUP])
+            .map_err(|e| Error::new(format!("cannot handle signals ({e})")))?;
+    let cfg = fuse_config(&args.sealed, &args.options, args.threads)?;
+    let fs = KllmFs::new(Arc::new(view)).on_destroy(Box::new(|| {
+        log::info!("session ended; exiting");
+        std::process::exit(0)
+    }));
+    let mut session = Session::new(fs, &args.mountpoint, &cfg).map_err(|e| {
+        let hint = if e.kind() == std::io::ErrorKind::NotFound {
+            " (is fuse3 installed? fusermount3 was not found)"
+        } else {
+            ""
+        };
+        Error::at(&args.mountpoint, format!("cannot mount ({e}){hint}"))
+    })?;
+    let unmounter = session.unmount_callable();
+    let ended = events.clone();
+    spawn("kllm-session", move || {
+        let _ = ended.send(Event::Ended(session.run()));
+    })?;
+    spawn("kllm-signals", move || {
+        if let Some(sig) = signals.forever().next() {
+            let _ = events.send(Event::Signal(sig));
+        }
+    })?;
+    Ok(unmounter)
+}
+
+fn spawn(name: &str, f: impl FnOnce() + Send + 'static) -> Result<()> {
+    std::thread::Builder::new()
+        .name(name.into())
+        .spawn(f)
+        .map(drop)
+        .map_err(|e| Error::new(format!("cannot start the {name} thread ({e})")))
+}
+
+/// Serve until the session ends (unmounted from outside) or a signal asks to unmount.
+fn wait_for_end(
+    mountpoint: &Path,
+    events: &mpsc::Receiver<Event>,
+    mut unmounter: fuser::SessionUnmounter,
+) -> Result<()> {
+    match events.recv() {
         Ok(Event::Signal(sig)) => {
-            log::info!("signal {sig}: unmounting {}", args.mountpoint.display());
+            log::info!("signal {sig}: unmounting {}", mountpoint.display());
             if let Err(e) = unmounter.unmount() {
                 // Busy (files open): detach lazily; the exit below then ends the connection.
                 log::info!(
                     "unmount of {} failed ({e}); detaching it",
-                    args.mountpoint.display()
+                    mountpoint.display()
                 );
-                if let Err(e) = detach(&args.mountpoint) {
-                    log::error!("cannot unmount {}: {e}", args.mountpoint.display());
+                if let Err(e) = detach(mountpoint) {
+                    log::error!("cannot unmount {}: {e}", mountpoint.display());
                 }
             }
             // Open files keep a lazily detached mount alive; the process exit that follows
             // closes the connection, and their reads then fail instead of hanging.
-            let _ = rx.recv_timeout(Duration::from_secs(2));
+            let _ = events.recv_timeout(Duration::from_secs(2));
             Ok(())
         }
         Ok(Event::Ended(Ok(()))) | Err(_) => {
-            log::info!("{} was unmounted", args.mountpoint.display());
+            log::info!("{} was unmounted", mountpoint.display());
             Ok(())
         }
         Ok(Event::Ended(Err(e))) => Err(Error::new(format!("the FUSE session failed: {e}"))),
@@ -417,5 +449,21 @@ fn daemonize(args: &Args, view: View) -> ! {
                 )),
             }
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn sizes() {
+        assert_eq!(parse_size("4096").unwrap(), 4096);
+        assert_eq!(parse_size("64k").unwrap(), 64 << 10);
+        assert_eq!(parse_size("512M").unwrap(), 512 << 20);
+        assert_eq!(parse_size("2G").unwrap(), 2 << 30);
+        assert!(parse_size("12Q").is_err());
+        assert!(parse_size("M").is_err());
+        assert!(parse_size("99999999999T").is_err());
     }
 }

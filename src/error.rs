@@ -31,3 +31,62 @@ impl fmt::Display for Error {
 }
 
 impl std::error::Error for Error {}
+
+/// A read that cannot be served correctly. Each kind maps to the errno the kernel gets
+/// ([`ReadError::errno`]); the message says why, for the log.
+#[derive(Debug)]
+pub enum ReadError {
+    /// No such node.
+    NotFound,
+    /// A read of a directory.
+    IsDir,
+    /// The sealed file could not be read.
+    Io(std::io::Error),
+    /// A locked value outside its domain: the data on disk is not what was locked.
+    Corrupt { tensor: String, unit: u64 },
+    /// The sealed file changed since it was mounted.
+    Changed,
+    /// The file does not match the manifest it was sealed with (or could not be checked).
+    Unverified(String),
+}
+
+impl ReadError {
+    /// What the kernel is told: anything that would serve wrong bytes is EIO.
+    pub fn errno(&self) -> i32 {
+        match self {
+            ReadError::NotFound => libc::ENOENT,
+            ReadError::IsDir => libc::EISDIR,
+            ReadError::Io(_)
+            | ReadError::Corrupt { .. }
+            | ReadError::Changed
+            | ReadError::Unverified(_) => libc::EIO,
+        }
+    }
+}
+
+impl fmt::Display for ReadError {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            ReadError::NotFound => write!(f, "no such file"),
+            ReadError::IsDir => write!(f, "is a directory"),
+            ReadError::Io(e) => write!(f, "read failed: {e}"),
+            ReadError::Changed => write!(
+                f,
+                "the sealed file changed after it was mounted; remount to serve it"
+            ),
+            ReadError::Corrupt { tensor, unit } => write!(
+                f,
+                "tensor {tensor}: value {unit} is outside its locked domain (corrupt or altered data)"
+            ),
+            ReadError::Unverified(why) => write!(f, "{why}"),
+        }
+    }
+}
+
+impl std::error::Error for ReadError {}
+
+impl From<std::io::Error> for ReadError {
+    fn from(e: std::io::Error) -> Self {
+        ReadError::Io(e)
+    }
+}

@@ -11,7 +11,6 @@ use fuser::{
 };
 
 use crate::secmem::SecureBuf;
-use crate::shard::ReadError;
 use crate::view::{Ino, Kind, View};
 
 /// The view never changes while mounted, so the kernel may cache everything for long.
@@ -143,34 +142,25 @@ impl Filesystem for KllmFs {
         reply: ReplyData,
     ) {
         REPLY.with_borrow_mut(|buf| {
-            let result = self
-                .view
-                .readable_len(ino.0, offset, size as usize)
-                .and_then(|len| {
-                    if buf.as_ref().is_none_or(|b| b.len() < len) {
-                        *buf = Some(SecureBuf::new(len.max(REPLY_MIN))?);
+            let size = size as usize;
+            if buf.as_ref().is_none_or(|b| b.len() < size) {
+                match SecureBuf::new(size.max(REPLY_MIN)) {
+                    Ok(b) => *buf = Some(b),
+                    Err(e) => {
+                        log::error!("no memory for a read of {size} bytes: {e}");
+                        return reply.error(Errno::EIO);
                     }
-                    let out = &mut buf.as_mut().expect("just made")[..len];
-                    self.view.read_into(ino.0, offset, out)?;
-                    Ok(out)
-                });
-            match result {
-                Ok(data) => reply.data(data),
+                }
+            }
+            let out = &mut buf.as_mut().expect("just made")[..size];
+            match self.view.read_into(ino.0, offset, out) {
+                Ok(n) => reply.data(&out[..n]),
                 Err(e) => {
-                    let errno = match &e {
-                        ReadError::Io(io) if io.raw_os_error() == Some(libc::EISDIR) => {
-                            Errno::EISDIR
-                        }
-                        ReadError::Io(io) if io.raw_os_error() == Some(libc::ENOENT) => {
-                            Errno::ENOENT
-                        }
-                        _ => Errno::EIO,
-                    };
                     log::error!(
                         "read of {} at {offset} (+{size}) failed: {e}",
                         self.view.path_of(ino.0)
                     );
-                    reply.error(errno);
+                    reply.error(Errno::from_i32(e.errno()));
                 }
             }
         });

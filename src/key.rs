@@ -182,99 +182,114 @@ pub fn parse_key_file(
     text: &str,
     passphrase: impl FnOnce() -> Result<Zeroizing<String>>,
 ) -> Result<ModelKey> {
-    let mut doc = parse_doc(path, text)?;
+    let doc = parse_doc(path, text)?;
     match cipher_name(path, &doc)? {
-        "none" => {
-            let secret = b64_field(path, doc.get("secret"), "secret")?;
-            let key = ModelKey::from_slice(&secret).map_err(|e| Error::at(path, e))?;
-            let recorded = doc.get("fingerprint").and_then(Value::as_str);
-            if recorded != Some(key.fingerprint().as_str()) {
-                return Err(Error::at(
-                    path,
-                    "was modified: its fingerprint does not match the key it holds",
-                ));
-            }
-            Ok(key)
-        }
-        "aes-256-gcm" => {
-            let ciphertext = b64_field(path, doc.get("ciphertext"), "ciphertext")?;
-            doc.remove("ciphertext");
-            let kdf = doc
-                .get("kdf")
-                .ok_or_else(|| Error::at(path, "key file has no kdf"))?;
-            if kdf.get("name").and_then(Value::as_str) != Some("scrypt") {
-                return Err(Error::at(path, "key file's kdf is not scrypt"));
-            }
-            let num = |name: &str| {
-                kdf.get(name)
-                    .and_then(Value::as_u64)
-                    .ok_or_else(|| Error::at(path, format!("key file's scrypt has no {name}")))
-            };
-            let (n, r, p) = (num("n")?, num("r")?, num("p")?);
-            if !n.is_power_of_two() || n < 2 {
-                return Err(Error::at(
-                    path,
-                    format!("scrypt n = {n} is not a power of two"),
-                ));
-            }
-            let log_n = n.trailing_zeros() as u8;
-            if log_n > MAX_SCRYPT_LOG_N
-                || r == 0
-                || r > MAX_SCRYPT_R as u64
-                || p == 0
-                || p > MAX_SCRYPT_P as u64
-            {
-                return Err(Error::at(
-                    path,
-                    format!("scrypt parameters n={n} r={r} p={p} are out of bounds"),
-                ));
-            }
-            let salt = b64_field(path, kdf.get("salt"), "scrypt salt")?;
-            let nonce = b64_field(
-                path,
-                doc.get("cipher").and_then(|c| c.get("nonce")),
-                "nonce",
-            )?;
-            if nonce.len() != 12 {
-                return Err(Error::at(path, "key file's nonce is not 12 bytes"));
-            }
-            let aad = pyjson::dumps_sorted(&Value::Object(doc.clone()));
-            let phrase = passphrase()?;
-            let params = scrypt::Params::new(log_n, r as u32, p as u32, KEY_BYTES)
-                .map_err(|e| Error::at(path, format!("bad scrypt parameters ({e})")))?;
-            let mut kek = Zeroizing::new([0u8; KEY_BYTES]);
-            scrypt::scrypt(phrase.as_bytes(), &salt, &params, kek.as_mut())
-                .map_err(|e| Error::at(path, format!("scrypt failed ({e})")))?;
-            let cipher = Aes256Gcm::new_from_slice(kek.as_ref()).expect("32-byte key");
-            let plain = Zeroizing::new(
-                cipher
-                    .decrypt(
-                        Nonce::from_slice(&nonce),
-                        Payload {
-                            msg: &ciphertext,
-                            aad: aad.as_bytes(),
-                        },
-                    )
-                    .map_err(|_| {
-                        Error::at(path, "wrong passphrase (or the key file was modified)")
-                    })?,
-            );
-            let key = ModelKey::from_slice(&plain).map_err(|e| Error::at(path, e))?;
-            if let Some(recorded) = doc.get("fingerprint").and_then(Value::as_str) {
-                if recorded != key.fingerprint() {
-                    return Err(Error::at(
-                        path,
-                        "was modified: its fingerprint does not match the key",
-                    ));
-                }
-            }
-            Ok(key)
-        }
+        "none" => open_key(path, &doc),
+        "aes-256-gcm" => passphrase_key(path, doc, passphrase),
         other => Err(Error::at(
             path,
             format!("unknown key file cipher {other:?}"),
         )),
     }
+}
+
+/// A key file without a passphrase: the secret in the open, checked by its fingerprint.
+fn open_key(path: &Path, doc: &serde_json::Map<String, Value>) -> Result<ModelKey> {
+    let secret = b64_field(path, doc.get("secret"), "secret")?;
+    let key = ModelKey::from_slice(&secret).map_err(|e| Error::at(path, e))?;
+    let recorded = doc.get("fingerprint").and_then(Value::as_str);
+    if recorded != Some(key.fingerprint().as_str()) {
+        return Err(Error::at(
+            path,
+            "was modified: its fingerprint does not match the key it holds",
+        ));
+    }
+    Ok(key)
+}
+
+/// A key file sealed under a passphrase: scrypt derives the key that opens the secret
+/// with AES-256-GCM, the rest of the document as associated data.
+fn passphrase_key(
+    path: &Path,
+    mut doc: serde_json::Map<String, Value>,
+    passphrase: impl FnOnce() -> Result<Zeroizing<String>>,
+) -> Result<ModelKey> {
+    let ciphertext = b64_field(path, doc.get("ciphertext"), "ciphertext")?;
+    doc.remove("ciphertext");
+    let kdf = doc
+        .get("kdf")
+        .ok_or_else(|| Error::at(path, "key file has no kdf"))?;
+    let params = scrypt_params(path, kdf)?;
+    let salt = b64_field(path, kdf.get("salt"), "scrypt salt")?;
+    let nonce = b64_field(
+        path,
+        doc.get("cipher").and_then(|c| c.get("nonce")),
+        "nonce",
+    )?;
+    if nonce.len() != 12 {
+        return Err(Error::at(path, "key file's nonce is not 12 bytes"));
+    }
+    let aad = pyjson::dumps_sorted(&Value::Object(doc.clone()));
+    let phrase = passphrase()?;
+    let mut kek = Zeroizing::new([0u8; KEY_BYTES]);
+    scrypt::scrypt(phrase.as_bytes(), &salt, &params, kek.as_mut())
+        .map_err(|e| Error::at(path, format!("scrypt failed ({e})")))?;
+    let cipher = Aes256Gcm::new_from_slice(kek.as_ref()).expect("32-byte key");
+    let plain = Zeroizing::new(
+        cipher
+            .decrypt(
+                Nonce::from_slice(&nonce),
+                Payload {
+                    msg: &ciphertext,
+                    aad: aad.as_bytes(),
+                },
+            )
+            .map_err(|_| Error::at(path, "wrong passphrase (or the key file was modified)"))?,
+    );
+    let key = ModelKey::from_slice(&plain).map_err(|e| Error::at(path, e))?;
+    if let Some(recorded) = doc.get("fingerprint").and_then(Value::as_str) {
+        if recorded != key.fingerprint() {
+            return Err(Error::at(
+                path,
+                "was modified: its fingerprint does not match the key",
+            ));
+        }
+    }
+    Ok(key)
+}
+
+/// The key file's scrypt parameters, bounded so a hostile file cannot ask for unbounded
+/// memory or time.
+fn scrypt_params(path: &Path, kdf: &Value) -> Result<scrypt::Params> {
+    if kdf.get("name").and_then(Value::as_str) != Some("scrypt") {
+        return Err(Error::at(path, "key file's kdf is not scrypt"));
+    }
+    let num = |name: &str| {
+        kdf.get(name)
+            .and_then(Value::as_u64)
+            .ok_or_else(|| Error::at(path, format!("key file's scrypt has no {name}")))
+    };
+    let (n, r, p) = (num("n")?, num("r")?, num("p")?);
+    if !n.is_power_of_two() || n < 2 {
+        return Err(Error::at(
+            path,
+            format!("scrypt n = {n} is not a power of two"),
+        ));
+    }
+    let log_n = n.trailing_zeros() as u8;
+    if log_n > MAX_SCRYPT_LOG_N
+        || r == 0
+        || r > MAX_SCRYPT_R as u64
+        || p == 0
+        || p > MAX_SCRYPT_P as u64
+    {
+        return Err(Error::at(
+            path,
+            format!("scrypt parameters n={n} r={r} p={p} are out of bounds"),
+        ));
+    }
+    scrypt::Params::new(log_n, r as u32, p as u32, KEY_BYTES)
+        .map_err(|e| Error::at(path, format!("bad scrypt parameters ({e})")))
 }
 
 /// Where to look for the key, in order, when `--key` is not given.

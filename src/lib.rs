@@ -3,7 +3,7 @@ pub mod error;
 pub mod key;
 pub mod lock;
 pub mod pyjson;
-pub use error::{Error, Result};
+pub use error::{Error, ReadError, Result};
 pub mod cache;
 pub mod cli;
 pub mod fuse;

@@ -238,36 +238,54 @@ impl Default for Options {
     }
 }
 
-/// Build the view of a sealed directory. Reads the seal metadata, every lockable shard's
-/// header and `trusted.kllm`; tensor data is left for reads.
-pub fn build(seal: &Seal, key: &ModelKey, opts: &Options) -> Result<View> {
+/// Open a sealed directory for serving: read its seal metadata, refuse a key of another
+/// fingerprint before anything is decrypted, and build its view. `key_source` names where
+/// the key came from, for the error.
+pub fn open(
+    root: &Path,
+    key: &ModelKey,
+    key_source: &dyn std::fmt::Display,
+    opts: &Options,
+) -> Result<View> {
+    let seal = Seal::read(root)?;
+    seal.check_key(key, key_source)?;
+    let view = build(&seal, key, opts)?;
+    log::info!(
+        "{}: {} nodes, lock {}, cache {} bytes",
+        root.display(),
+        view.len(),
+        seal.lock.map_or("none", |v| v.label()),
+        view.cache().capacity_bytes()
+    );
+    Ok(view)
+}
+
+/// The view of a sealed directory whose key was checked. Reads the seal metadata, every
+/// lockable shard's header and `trusted.kllm`; tensor data is left for reads.
+fn build(seal: &Seal, key: &ModelKey, opts: &Options) -> Result<View> {
     let root = &seal.root;
     let canon_root =
         fs::canonicalize(root).map_err(|e| Error::at(root, format!("cannot resolve ({e})")))?;
     let root_meta =
         fs::metadata(root).map_err(|e| Error::at(root, format!("cannot stat ({e})")))?;
-    let mut b = Builder {
-        nodes: Vec::new(),
-        children: Vec::new(),
+    let mut walker = Walker {
+        seal,
+        key,
+        visited: HashSet::from([canon_root.clone()]),
+        canon_root,
+        b: Builder {
+            nodes: Vec::new(),
+            children: Vec::new(),
+        },
     };
-    b.add(
+    walker.b.add(
         ROOT,
         OsString::new(),
         attr_of(&root_meta, Kind::Dir, 0),
         Content::Dir(Vec::new()),
     );
-    let mut visited = HashSet::new();
-    visited.insert(canon_root.clone());
-    walk(
-        seal,
-        key,
-        &canon_root,
-        root,
-        Path::new(""),
-        ROOT,
-        &mut b,
-        &mut visited,
-    )?;
+    walker.walk(root, Path::new(""), ROOT)?;
+    let mut b = walker.b;
 
     // The metadata file without its lock flag.
     if let Some(text) = seal.unlocked_meta_text()? {
@@ -354,103 +372,122 @@ fn hidden(rel: &Path) -> bool {
             .is_some_and(|n| n == blob::FILE_NAME || n == SHIPPED_KEY)
 }
 
-#[allow(clippy::too_many_arguments)]
-fn walk(
-    seal: &Seal,
-    key: &ModelKey,
-    canon_root: &Path,
-    dir: &Path,
-    rel_dir: &Path,
-    dir_ino: Ino,
-    b: &mut Builder,
-    visited: &mut HashSet<PathBuf>,
-) -> Result<()> {
-    let mut entries: Vec<_> = fs::read_dir(dir)
-        .map_err(|e| Error::at(dir, format!("cannot list ({e})")))?
-        .collect::<std::io::Result<_>>()
-        .map_err(|e| Error::at(dir, format!("cannot list ({e})")))?;
-    entries.sort_by_key(|e| e.file_name());
-    for entry in entries {
-        let name = entry.file_name();
-        let path = entry.path();
-        let rel = rel_dir.join(&name);
-        if hidden(&rel) {
-            continue;
-        }
-        let lmeta = fs::symlink_metadata(&path)
-            .map_err(|e| Error::at(&path, format!("cannot stat ({e})")))?;
-        // `content_rel` is where the bytes live: for a link, its target. kLLM scopes tensor
-        // ids by the real path, and hidden files stay hidden behind a link.
-        let (real, meta, content_rel) = if lmeta.file_type().is_symlink() {
-            // A link is followed only when it stays inside the sealed directory, and only to
-            // a file: the folder it points to is shown where it lives.
-            let target = match fs::canonicalize(&path) {
-                Ok(t) => t,
-                Err(e) => {
+/// The walk over the sealed directory: what every level needs, held once.
+struct Walker<'a> {
+    seal: &'a Seal,
+    key: &'a ModelKey,
+    canon_root: PathBuf,
+    /// Directories already shown, so a link loop is shown once.
+    visited: HashSet<PathBuf>,
+    b: Builder,
+}
+
+/// Where a directory entry's bytes live: the entry itself, or a link's target.
+struct Resolved {
+    real: PathBuf,
+    meta: Metadata,
+    /// The path relative to the root that scopes tensor ids: kLLM scopes them by the real
+    /// path, and hidden files stay hidden behind a link.
+    content_rel: PathBuf,
+}
+
+impl Walker<'_> {
+    fn walk(&mut self, dir: &Path, rel_dir: &Path, dir_ino: Ino) -> Result<()> {
+        let mut entries: Vec<_> = fs::read_dir(dir)
+            .map_err(|e| Error::at(dir, format!("cannot list ({e})")))?
+            .collect::<std::io::Result<_>>()
+            .map_err(|e| Error::at(dir, format!("cannot list ({e})")))?;
+        entries.sort_by_key(|e| e.file_name());
+        for entry in entries {
+            let name = entry.file_name();
+            let path = entry.path();
+            let rel = rel_dir.join(&name);
+            if hidden(&rel) {
+                continue;
+            }
+            let Some(Resolved {
+                real,
+                meta,
+                content_rel,
+            }) = self.resolve(&path, &rel)?
+            else {
+                continue;
+            };
+            if meta.is_dir() {
+                let canon = fs::canonicalize(&real)
+                    .map_err(|e| Error::at(&path, format!("cannot resolve ({e})")))?;
+                if !self.visited.insert(canon) {
                     log::warn!(
-                        "{}: dangling symbolic link ({e}); not shown",
+                        "{}: directory already shown (link loop); not shown again",
                         path.display()
                     );
                     continue;
                 }
-            };
-            let Ok(target_rel) = target.strip_prefix(canon_root).map(Path::to_path_buf) else {
+                let attr = attr_of(&meta, Kind::Dir, 0);
+                let ino = self.b.add(dir_ino, name, attr, Content::Dir(Vec::new()));
+                self.walk(&real, &rel, ino)?;
+            } else if meta.is_file() {
+                let content = file_content(self.seal, self.key, &real, &path, &content_rel)?;
+                let attr = attr_of(&meta, Kind::File, meta.len());
+                self.b.add(dir_ino, name, attr, content);
+            } else {
                 log::warn!(
-                    "{}: symbolic link to {} leaves the sealed directory; not shown",
-                    path.display(),
-                    target.display()
-                );
-                continue;
-            };
-            let m = fs::metadata(&target)
-                .map_err(|e| Error::at(&path, format!("cannot stat link target ({e})")))?;
-            if m.is_dir() {
-                log::warn!(
-                    "{}: symbolic link to a folder; not followed",
+                    "{}: not a regular file or directory; not shown",
                     path.display()
                 );
-                continue;
             }
-            if hidden(&target_rel) {
-                continue;
+        }
+        Ok(())
+    }
+
+    /// Follow a link only when it stays inside the sealed directory, and only to a file: the
+    /// folder it points to is shown where it lives. `None`: the entry is not shown.
+    fn resolve(&self, path: &Path, rel: &Path) -> Result<Option<Resolved>> {
+        let lmeta = fs::symlink_metadata(path)
+            .map_err(|e| Error::at(path, format!("cannot stat ({e})")))?;
+        if !lmeta.file_type().is_symlink() {
+            return Ok(Some(Resolved {
+                real: path.to_path_buf(),
+                meta: lmeta,
+                content_rel: rel.to_path_buf(),
+            }));
+        }
+        let target = match fs::canonicalize(path) {
+            Ok(t) => t,
+            Err(e) => {
+                log::warn!(
+                    "{}: dangling symbolic link ({e}); not shown",
+                    path.display()
+                );
+                return Ok(None);
             }
-            (target, m, target_rel)
-        } else {
-            (path.clone(), lmeta, rel.clone())
         };
-        if meta.is_dir() {
-            let canon = fs::canonicalize(&real)
-                .map_err(|e| Error::at(&path, format!("cannot resolve ({e})")))?;
-            if !visited.insert(canon) {
-                log::warn!(
-                    "{}: directory already shown (link loop); not shown again",
-                    path.display()
-                );
-                continue;
-            }
-            let ino = b.add(
-                dir_ino,
-                name,
-                attr_of(&meta, Kind::Dir, 0),
-                Content::Dir(Vec::new()),
-            );
-            walk(seal, key, canon_root, &real, &rel, ino, b, visited)?;
-        } else if meta.is_file() {
-            let content = file_content(seal, key, &real, &path, &content_rel)?;
-            b.add(
-                dir_ino,
-                name,
-                attr_of(&meta, Kind::File, meta.len()),
-                content,
-            );
-        } else {
+        let Ok(target_rel) = target.strip_prefix(&self.canon_root).map(Path::to_path_buf) else {
             log::warn!(
-                "{}: not a regular file or directory; not shown",
+                "{}: symbolic link to {} leaves the sealed directory; not shown",
+                path.display(),
+                target.display()
+            );
+            return Ok(None);
+        };
+        let meta = fs::metadata(&target)
+            .map_err(|e| Error::at(path, format!("cannot stat link target ({e})")))?;
+        if meta.is_dir() {
+            log::warn!(
+                "{}: symbolic link to a folder; not followed",
                 path.display()
             );
+            return Ok(None);
         }
+        if hidden(&target_rel) {
+            return Ok(None);
+        }
+        Ok(Some(Resolved {
+            real: target,
+            meta,
+            content_rel: target_rel,
+        }))
     }
-    Ok(())
 }
 
 fn file_content(
@@ -462,7 +499,7 @@ fn file_content(
 ) -> Result<Content> {
     if !is_lockable(rel) {
         let m = fs::metadata(real).map_err(|e| Error::at(shown, format!("cannot stat ({e})")))?;
-        return Ok(Content::Plain {
+        return Ok(Content::Verbatim {
             path: real.to_path_buf(),
             file: Default::default(),
             id: (m.dev(), m.ino()),
@@ -478,7 +515,7 @@ fn file_content(
         let m = file
             .metadata()
             .map_err(|e| Error::at(shown, format!("cannot stat ({e})")))?;
-        return Ok(Content::Plain {
+        return Ok(Content::Verbatim {
             path: real.to_path_buf(),
             file: std::sync::OnceLock::from(std::sync::Arc::new(file)),
             id: (m.dev(), m.ino()),

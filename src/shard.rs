@@ -1,7 +1,6 @@
 //! Safetensors shards: the header, the byte ranges of locked tensors, the unlocked header,
 //! and decoding any byte range of the file.
 
-use std::fmt;
 use std::io;
 use std::path::Path;
 
@@ -11,7 +10,7 @@ use serde_json::Value;
 
 use crate::key::ModelKey;
 use crate::lock::{tensor_id, Codec, TensorLock, Version};
-use crate::{Error, Result};
+use crate::{Error, ReadError, Result};
 
 /// The metadata key a locked shard records its tensors' domains under.
 pub const LOCK_META: &str = "kllm.lock";
@@ -48,40 +47,6 @@ pub struct Shard {
     /// `kllm.lock`, padded with spaces to the original length.
     pub view_header: Vec<u8>,
     pub locked: Vec<LockedTensor>,
-}
-
-/// A read that cannot be served correctly.
-#[derive(Debug)]
-pub enum ReadError {
-    Io(io::Error),
-    /// A locked value outside its domain: the data on disk is not what was locked.
-    Corrupt {
-        tensor: String,
-        unit: u64,
-    },
-    /// The sealed file changed since it was mounted.
-    Changed,
-}
-
-impl fmt::Display for ReadError {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        match self {
-            ReadError::Io(e) => write!(f, "read failed: {e}"),
-            ReadError::Changed => write!(
-                f,
-                "the sealed file changed after it was mounted; remount to serve it"
-            ),
-            ReadError::Corrupt { tensor, unit } => {
-                write!(f, "tensor {tensor}: value {unit} is outside its locked domain (corrupt or altered data)")
-            }
-        }
-    }
-}
-
-impl From<io::Error> for ReadError {
-    fn from(e: io::Error) -> Self {
-        ReadError::Io(e)
-    }
 }
 
 /// One entry of `kllm.lock`: a v1 domain, or a v2 domain and format name.
@@ -214,78 +179,19 @@ impl Shard {
         }
         let mut doc: serde_json::Map<String, Value> =
             serde_json::from_str(text).map_err(|e| malformed(e.to_string()))?;
-        let lock_text = match doc.get_mut("__metadata__") {
-            Some(Value::Object(m)) => match m.shift_remove(LOCK_META) {
-                Some(Value::String(s)) => Some(s),
-                Some(_) => return Err(Error::at(path, format!("{LOCK_META} is not a string"))),
-                None => None,
-            },
-            _ => None,
+        let lock_text = take_lock_text(path, &mut doc)?;
+        let mut locked = match &lock_text {
+            Some(lock_text) => lock_entries(path, lock_text)?
+                .into_iter()
+                .map(|entry| locked_tensor(path, &meta, data_start, shard_dir, key, entry))
+                .collect::<Result<Vec<_>>>()?,
+            None => Vec::new(),
         };
-        let mut locked = Vec::new();
-        if let Some(lock_text) = &lock_text {
-            for LockEntry {
-                name,
-                version,
-                m,
-                format: fmt,
-            } in lock_entries(path, lock_text)?
-            {
-                let info = meta.info(&name).ok_or_else(|| {
-                    Error::at(
-                        path,
-                        format!("{LOCK_META} names tensor {name:?}, which the shard lacks"),
-                    )
-                })?;
-                let codec = match (&fmt, version) {
-                    (Some(fmt), _) => Codec::v2(fmt, info.dtype).ok_or_else(|| {
-                        Error::at(path, format!("{LOCK_META}: tensor {name:?} is {:?}, which format {fmt:?} cannot hold", info.dtype))
-                    })?,
-                    (None, _) => Codec::float(info.dtype).ok_or_else(|| {
-                        Error::at(path, format!("{LOCK_META}: tensor {name:?} is {:?}, which lock v1 cannot hold", info.dtype))
-                    })?,
-                };
-                if !codec.valid_domain(m) {
-                    let fmt = fmt.as_deref().unwrap_or("float");
-                    return Err(Error::at(
-                        path,
-                        format!("{LOCK_META}: domain {m} of tensor {name:?} is impossible for {:?} in format {fmt}", info.dtype),
-                    ));
-                }
-                let lock = TensorLock::new(key, version, codec, m, &tensor_id(shard_dir, &name));
-                let (s, e) = info.data_offsets;
-                let units = (e - s) as u64 / codec.unit_bytes() as u64;
-                if units > lock.max_units() {
-                    return Err(Error::at(
-                        path,
-                        format!("tensor {name:?} is longer than one key stream covers"),
-                    ));
-                }
-                locked.push(LockedTensor {
-                    name,
-                    dtype: info.dtype,
-                    start: data_start + s as u64,
-                    end: data_start + e as u64,
-                    lock,
-                });
-            }
-        }
         locked.sort_by_key(|t| t.start);
-        let mut view_header = Vec::with_capacity(data_start as usize);
-        view_header.extend_from_slice(&n.to_le_bytes());
-        if lock_text.is_some() {
-            let json = serde_json::to_vec(&doc).expect("a JSON map serializes");
-            if json.len() as u64 > n {
-                return Err(Error::at(
-                    path,
-                    "unlocked header would be longer than the original",
-                ));
-            }
-            view_header.extend_from_slice(&json);
-            view_header.resize(data_start as usize, b' ');
-        } else {
-            view_header.extend_from_slice(header);
-        }
+        let view_header = match lock_text {
+            Some(_) => unlocked_header(path, &doc, data_start)?,
+            None => [&n.to_le_bytes()[..], header].concat(),
+        };
         Ok(Shard {
             file_len,
             data_start,
@@ -371,6 +277,110 @@ impl Shard {
         }
         Ok(())
     }
+}
+
+/// Remove `kllm.lock` from the header's `__metadata__`, returning its text.
+fn take_lock_text(path: &Path, doc: &mut serde_json::Map<String, Value>) -> Result<Option<String>> {
+    match doc.get_mut("__metadata__") {
+        Some(Value::Object(m)) => match m.shift_remove(LOCK_META) {
+            Some(Value::String(s)) => Ok(Some(s)),
+            Some(_) => Err(Error::at(path, format!("{LOCK_META} is not a string"))),
+            None => Ok(None),
+        },
+        _ => Ok(None),
+    }
+}
+
+/// One `kllm.lock` entry checked against the tensor it names: the codec its dtype and
+/// format call for, a possible domain, a length one key stream covers.
+fn locked_tensor(
+    path: &Path,
+    meta: &Metadata,
+    data_start: u64,
+    shard_dir: &str,
+    key: &ModelKey,
+    entry: LockEntry,
+) -> Result<LockedTensor> {
+    let LockEntry {
+        name,
+        version,
+        m,
+        format,
+    } = entry;
+    let info = meta.info(&name).ok_or_else(|| {
+        Error::at(
+            path,
+            format!("{LOCK_META} names tensor {name:?}, which the shard lacks"),
+        )
+    })?;
+    let codec = match &format {
+        Some(fmt) => Codec::v2(fmt, info.dtype).ok_or_else(|| {
+            Error::at(
+                path,
+                format!(
+                    "{LOCK_META}: tensor {name:?} is {:?}, which format {fmt:?} cannot hold",
+                    info.dtype
+                ),
+            )
+        })?,
+        None => Codec::float(info.dtype).ok_or_else(|| {
+            Error::at(
+                path,
+                format!(
+                    "{LOCK_META}: tensor {name:?} is {:?}, which lock v1 cannot hold",
+                    info.dtype
+                ),
+            )
+        })?,
+    };
+    if !codec.valid_domain(m) {
+        let fmt = format.as_deref().unwrap_or("float");
+        return Err(Error::at(
+            path,
+            format!(
+                "{LOCK_META}: domain {m} of tensor {name:?} is impossible for {:?} in format {fmt}",
+                info.dtype
+            ),
+        ));
+    }
+    let lock = TensorLock::new(key, version, codec, m, &tensor_id(shard_dir, &name));
+    let (s, e) = info.data_offsets;
+    let units = (e - s) as u64 / codec.unit_bytes() as u64;
+    if units > lock.max_units() {
+        return Err(Error::at(
+            path,
+            format!("tensor {name:?} is longer than one key stream covers"),
+        ));
+    }
+    Ok(LockedTensor {
+        name,
+        dtype: info.dtype,
+        start: data_start + s as u64,
+        end: data_start + e as u64,
+        lock,
+    })
+}
+
+/// The first `data_start` bytes of the view: the length prefix, then the header without
+/// `kllm.lock`, padded with spaces to the original length so no offset moves.
+fn unlocked_header(
+    path: &Path,
+    doc: &serde_json::Map<String, Value>,
+    data_start: u64,
+) -> Result<Vec<u8>> {
+    let n = data_start - 8;
+    let json = serde_json::to_vec(doc).expect("a JSON map serializes");
+    if json.len() as u64 > n {
+        return Err(Error::at(
+            path,
+            "unlocked header would be longer than the original",
+        ));
+    }
+    let mut out = Vec::with_capacity(data_start as usize);
+    out.extend_from_slice(&n.to_le_bytes());
+    out.extend_from_slice(&json);
+    out.resize(data_start as usize, b' ');
+    Ok(out)
 }
 
 /// Decode `buf`, which holds the sealed bytes `[a, b)` of tensor `t`. Whole units are

@@ -11,8 +11,9 @@ use std::time::SystemTime;
 use zeroize::Zeroizing;
 
 use crate::cache::BlockCache;
-use crate::secmem::{SecureBuf, Wiped};
-use crate::shard::{ReadError, Shard};
+use crate::secmem::Wiped;
+use crate::shard::Shard;
+use crate::ReadError;
 
 pub type Ino = u64;
 pub const ROOT: Ino = 1;
@@ -39,9 +40,9 @@ pub struct Attr {
 
 pub enum Content {
     Dir(Vec<(OsString, Ino)>),
-    /// A file shown as it is on disk, opened on first read; `id` is its (device, inode)
-    /// at mount time, so a file or folder swapped in its place is not served.
-    Plain {
+    /// A file shown byte for byte as it is on disk, opened on first read; `id` is its
+    /// (device, inode) at mount time, so a file or folder swapped in its place is not served.
+    Verbatim {
         path: PathBuf,
         file: OnceLock<Arc<File>>,
         id: (u64, u64),
@@ -177,65 +178,31 @@ impl View {
 
     /// Bytes `[off, off + size)` of a file, cut at its end.
     pub fn read(&self, ino: Ino, off: u64, size: usize) -> Result<Wiped, ReadError> {
-        let len = self.readable_len(ino, off, size)?;
+        let node = self.node(ino).ok_or(ReadError::NotFound)?;
+        let len = node.attr.size.saturating_sub(off).min(size as u64) as usize;
         let mut out = Wiped::zeroed(len);
         self.read_into(ino, off, &mut out)?;
         Ok(out)
     }
 
-    /// How many bytes a read of `size` at `off` returns: cut at the end of the file.
-    pub fn readable_len(&self, ino: Ino, off: u64, size: usize) -> Result<usize, ReadError> {
-        let node = self
-            .node(ino)
-            .ok_or_else(|| ReadError::Io(std::io::Error::from_raw_os_error(libc::ENOENT)))?;
-        Ok(node.attr.size.saturating_sub(off).min(size as u64) as usize)
-    }
-
-    /// Fill `out` with the bytes at `off` (the caller cut `out` with `readable_len`), so a
-    /// caller can reuse one buffer for every read.
-    pub fn read_into(&self, ino: Ino, off: u64, out: &mut [u8]) -> Result<(), ReadError> {
-        let node = self
-            .node(ino)
-            .ok_or_else(|| ReadError::Io(std::io::Error::from_raw_os_error(libc::ENOENT)))?;
-        let len = out.len();
-        if len == 0 {
-            return Ok(());
-        }
-        if off + len as u64 > node.attr.size {
-            return Err(ReadError::Io(std::io::Error::from_raw_os_error(
-                libc::EINVAL,
-            )));
-        }
+    /// Fill `out` with the bytes at `off`, cut at the end of the file, and return how many
+    /// were written, so a caller can reuse one buffer for every read.
+    pub fn read_into(&self, ino: Ino, off: u64, out: &mut [u8]) -> Result<usize, ReadError> {
+        let node = self.node(ino).ok_or(ReadError::NotFound)?;
+        let len = node.attr.size.saturating_sub(off).min(out.len() as u64) as usize;
+        let out = &mut out[..len];
         match &node.content {
-            Content::Dir(_) => {
-                return Err(ReadError::Io(std::io::Error::from_raw_os_error(
-                    libc::EISDIR,
-                )))
-            }
+            Content::Dir(_) => return Err(ReadError::IsDir),
+            _ if len == 0 => {}
             Content::Memory(bytes) => out.copy_from_slice(&bytes[off as usize..off as usize + len]),
-            Content::Plain { path, file, id } => {
-                let f = match file.get() {
-                    Some(f) => f,
-                    None => {
-                        // Not through a link put in the file's place after mounting.
-                        use std::os::unix::fs::{MetadataExt, OpenOptionsExt};
-                        let opened = std::fs::OpenOptions::new()
-                            .read(true)
-                            .custom_flags(libc::O_NOFOLLOW)
-                            .open(path)?;
-                        let m = opened.metadata()?;
-                        if (m.dev(), m.ino()) != *id {
-                            return Err(ReadError::Changed);
-                        }
-                        file.get_or_init(|| Arc::new(opened))
-                    }
-                };
-                f.read_exact_at(out, off)?;
+            Content::Verbatim { .. } => {
+                self.verbatim_file(node)?.read_exact_at(out, off)?;
             }
             Content::Shard {
                 file, shard, stamp, ..
             } => {
-                self.read_shard(ino, file, shard, off, out)?;
+                let raw = |at: u64, buf: &mut [u8]| file.read_exact_at(buf, at);
+                self.cache.read_shard(ino, shard, off, out, &raw)?;
                 // Bytes decoded from a file rewritten since mounting are wrong: checked
                 // after reading, so a change before or during the read is caught.
                 let touched_data = off + len as u64 > shard.data_start;
@@ -244,67 +211,32 @@ impl View {
                 }
             }
         }
-        Ok(())
+        Ok(len)
+    }
+
+    /// The open file behind a verbatim node, opened on first use.
+    pub fn verbatim_file<'a>(&self, node: &'a Node) -> Result<&'a Arc<File>, ReadError> {
+        let Content::Verbatim { path, file, id } = &node.content else {
+            return Err(ReadError::NotFound);
+        };
+        if let Some(f) = file.get() {
+            return Ok(f);
+        }
+        // Not through a link put in the file's place after mounting.
+        use std::os::unix::fs::{MetadataExt, OpenOptionsExt};
+        let opened = std::fs::OpenOptions::new()
+            .read(true)
+            .custom_flags(libc::O_NOFOLLOW)
+            .open(path)?;
+        let m = opened.metadata()?;
+        if (m.dev(), m.ino()) != *id {
+            return Err(ReadError::Changed);
+        }
+        Ok(file.get_or_init(|| Arc::new(opened)))
     }
 
     /// A path-based read, the core's whole contract: bytes `[off, off+len)` of path P.
-    pub fn read_path(&self, path: &str, off: u64, len: usize) -> Option<Result<Wiped, ReadError>> {
-        Some(self.read(self.resolve(path)?, off, len))
-    }
-
-    fn read_shard(
-        &self,
-        ino: Ino,
-        file: &File,
-        shard: &Shard,
-        off: u64,
-        out: &mut [u8],
-    ) -> Result<(), ReadError> {
-        let raw = |at: u64, buf: &mut [u8]| file.read_exact_at(buf, at);
-        if !self.cache.enabled() {
-            return shard.read(off, out, &raw);
-        }
-        let bs = self.cache.block_size();
-        let end = off + out.len() as u64;
-        let mut pos = off;
-        while pos < end {
-            let block = pos / bs;
-            let b_start = block * bs;
-            let b_end = (b_start + bs).min(shard.file_len);
-            if pos == b_start && end >= b_end {
-                // A read that covers whole blocks decodes straight into its buffer: the
-                // kernel keeps those pages (FOPEN_KEEP_CACHE), so caching them here too
-                // would only cost a copy. The cache serves the pieces reads cut.
-                let whole_end = b_start + (end - b_start) / bs * bs;
-                let upto = whole_end.max(b_end).min(end);
-                shard.read(
-                    pos,
-                    &mut out[(pos - off) as usize..(upto - off) as usize],
-                    &raw,
-                )?;
-                pos = upto;
-                continue;
-            }
-            let data = match self.cache.get(ino, block) {
-                Some(d) => d,
-                None => {
-                    let mut buf = SecureBuf::new((b_end - b_start) as usize)?;
-                    if let Err(e) = shard.read(b_start, &mut buf, &raw) {
-                        // A bad value elsewhere in the block must not fail this read: serve
-                        // exactly the range asked for, which fails only if it holds one.
-                        log::debug!("block {block} of {} not cached: {e}", self.path_of(ino));
-                        return shard.read(off, out, &raw);
-                    }
-                    let d = Arc::new(buf);
-                    self.cache.insert(ino, block, d.clone());
-                    d
-                }
-            };
-            let upto = end.min(b_end);
-            out[(pos - off) as usize..(upto - off) as usize]
-                .copy_from_slice(&data[(pos - b_start) as usize..(upto - b_start) as usize]);
-            pos = upto;
-        }
-        Ok(())
+    pub fn read_path(&self, path: &str, off: u64, len: usize) -> Result<Wiped, ReadError> {
+        self.read(self.resolve(path).ok_or(ReadError::NotFound)?, off, len)
     }
 }

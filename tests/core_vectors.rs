@@ -6,20 +6,18 @@ use std::path::Path;
 
 use common::*;
 use kllm_mount::key;
-use kllm_mount::sealed::{self, Options, Seal};
+use kllm_mount::sealed::{self, Options};
 use kllm_mount::view::View;
 use rand::{Rng, SeedableRng};
 use zeroize::Zeroizing;
 
 fn open_case(case: &Case, opts: &Options) -> Result<View, kllm_mount::Error> {
-    let seal = Seal::read(&case.sealed())?;
     let (path, pass) = case.key_file();
     let text = std::fs::read_to_string(&path).unwrap();
     let k = key::parse_key_file(&path, &text, || {
         Ok(Zeroizing::new(pass.clone().unwrap_or_default()))
     })?;
-    seal.check_key(&k, &path.display())?;
-    sealed::build(&seal, &k, opts)
+    sealed::open(&case.sealed(), &k, &path.display(), opts)
 }
 
 fn full(view: &View, rel: &str) -> Vec<u8> {

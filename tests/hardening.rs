@@ -30,7 +30,7 @@ use std::time::{Duration, Instant};
 use kllm_mount::blob;
 use kllm_mount::key::ModelKey;
 use kllm_mount::lock::Version;
-use kllm_mount::sealed::{self, Options, Seal};
+use kllm_mount::sealed::{self, Options};
 use kllm_mount::shard::Shard;
 use kllm_mount::testseal::{self, safetensors_bytes, Tensor};
 use rand::rngs::StdRng;
@@ -93,11 +93,10 @@ impl Sample {
 }
 
 fn build_view(sealed: &Path) -> kllm_mount::Result<kllm_mount::view::View> {
-    let seal = Seal::read(sealed)?;
-    seal.check_key(&key(), &"test")?;
-    sealed::build(
-        &seal,
+    sealed::open(
+        sealed,
         &key(),
+        &"test",
         &Options {
             cache_bytes: 0,
             ..Options::default()

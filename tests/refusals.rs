@@ -30,10 +30,7 @@ fn sealed_sample(lock: Option<Version>) -> (tempfile::TempDir, PathBuf) {
 
 fn mount_error(dir: &Path) -> String {
     let key = ModelKey::new(KEY);
-    let result = Seal::read(dir).and_then(|s| {
-        s.check_key(&key, &"test")?;
-        sealed::build(&s, &key, &Options::default())
-    });
+    let result = sealed::open(dir, &key, &"test", &Options::default());
     match result {
         Ok(_) => panic!("{} mounted; it must be refused", dir.display()),
         Err(e) => e.to_string(),
@@ -59,7 +56,7 @@ fn edit_json(path: &Path, f: impl FnOnce(&mut serde_json::Value)) {
 fn the_sample_mounts() {
     let (_t, dir) = sealed_sample(Some(Version::V2));
     let key = ModelKey::new(KEY);
-    let view = sealed::build(&Seal::read(&dir).unwrap(), &key, &Options::default()).unwrap();
+    let view = sealed::open(&dir, &key, &"test", &Options::default()).unwrap();
     assert!(view.resolve("tokenizer.json").is_some());
     assert!(view.resolve("trusted.kllm").is_none());
 }
@@ -68,11 +65,10 @@ fn the_sample_mounts() {
 fn wrong_key_names_both_fingerprints() {
     let (_t, dir) = sealed_sample(Some(Version::V2));
     let other = ModelKey::new([1; 32]);
-    let err = Seal::read(&dir)
-        .unwrap()
-        .check_key(&other, &"k")
-        .unwrap_err()
-        .to_string();
+    let Err(err) = sealed::open(&dir, &other, &"k", &Options::default()) else {
+        panic!("a key of another model opened the sealed directory");
+    };
+    let err = err.to_string();
     assert!(
         err.contains(&other.fingerprint()) && err.contains(&ModelKey::new(KEY).fingerprint()),
         "{err}"
@@ -180,10 +176,9 @@ fn trusted_blob_tampering() {
     }
     multi_chunk_blob(&dir, &[("tokenizer/tokenizer.json", vec![1, 2, 3])]);
     let key = ModelKey::new(KEY);
-    let view = sealed::build(&Seal::read(&dir).unwrap(), &key, &Options::default()).unwrap();
+    let view = sealed::open(&dir, &key, &"test", &Options::default()).unwrap();
     assert_eq!(
         view.read_path("tokenizer/tokenizer.json", 0, 10)
-            .unwrap()
             .unwrap()
             .to_vec(),
         vec![1u8, 2, 3]
@@ -295,15 +290,13 @@ fn shard_header_problems() {
 fn no_lock_directories_pass_through() {
     let (t, dir) = sealed_sample(None);
     let key = ModelKey::new(KEY);
-    let view = sealed::build(&Seal::read(&dir).unwrap(), &key, &Options::default()).unwrap();
+    let view = sealed::open(&dir, &key, &"test", &Options::default()).unwrap();
     let plain = fs::read(t.path().join("plain/model-00001-of-00002.safetensors")).unwrap();
     let got = view
         .read_path("model-00001-of-00002.safetensors", 0, plain.len())
-        .unwrap()
         .unwrap();
     assert!(*got == plain);
     let cfg: serde_json::Value =
-        serde_json::from_slice(&view.read_path("config.json", 0, 1 << 20).unwrap().unwrap())
-            .unwrap();
+        serde_json::from_slice(&view.read_path("config.json", 0, 1 << 20).unwrap()).unwrap();
     assert_eq!(cfg["kllm"]["scheme"], "l1");
 }
