@@ -2,6 +2,7 @@ pub mod blob;
 pub mod error;
 pub mod key;
 pub mod lock;
+pub mod memfs;
 pub mod pyjson;
 pub use error::{Error, ReadError, Result};
 pub mod cache;
