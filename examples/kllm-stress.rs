@@ -18,10 +18,10 @@
 //! must exit, and nothing may stay mounted. Exits 1 otherwise.
 
 use std::collections::BTreeMap;
-use std::fs::{self, File, OpenOptions};
+use std::fs::{self, File};
 use std::io;
 use std::os::fd::AsRawFd;
-use std::os::unix::fs::{FileExt, OpenOptionsExt};
+use std::os::unix::fs::FileExt;
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{mpsc, Arc};
@@ -29,34 +29,15 @@ use std::time::{Duration, Instant};
 
 use serde_json::Value;
 
+#[allow(dead_code)]
+#[path = "../tests/common/harness.rs"]
+mod harness;
+
+use harness::{alive, drop_page_cache, is_mounted, kill, open_direct, pread, rss_kib, SplitMix};
+
 fn die(msg: &str) -> ! {
     eprintln!("kllm-stress: {msg}");
     std::process::exit(2)
-}
-
-/// splitmix64.
-struct Rng(u64);
-impl Rng {
-    fn next(&mut self) -> u64 {
-        self.0 = self.0.wrapping_add(0x9E37_79B9_7F4A_7C15);
-        let mut z = self.0;
-        z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
-        z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
-        z ^ (z >> 31)
-    }
-    fn below(&mut self, n: u64) -> u64 {
-        if n == 0 {
-            0
-        } else {
-            self.next() % n
-        }
-    }
-    /// 1..=max, log-uniform: as many 10-byte reads as 1-MiB ones.
-    fn size(&mut self, max: u64) -> u64 {
-        let bits = 64 - max.leading_zeros() as u64;
-        let b = self.below(bits) + 1;
-        (self.below(1 << b) + 1).min(max)
-    }
 }
 
 /// What one file of the view must hold.
@@ -197,55 +178,6 @@ fn expectations(plain: &Path, mnt: &Path) -> Vec<Expect> {
     out
 }
 
-fn open_direct(p: &Path) -> io::Result<File> {
-    OpenOptions::new()
-        .read(true)
-        .custom_flags(libc::O_DIRECT)
-        .open(p)
-}
-
-fn pread(f: &File, off: u64, len: usize) -> io::Result<Vec<u8>> {
-    let mut buf = vec![0u8; len];
-    let mut got = 0;
-    while got < len {
-        match f.read_at(&mut buf[got..], off + got as u64) {
-            Ok(0) => break,
-            Ok(n) => got += n,
-            Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
-            Err(e) => return Err(e),
-        }
-    }
-    buf.truncate(got);
-    Ok(buf)
-}
-
-fn rss_kb(pid: i32) -> Option<u64> {
-    fs::read_to_string(format!("/proc/{pid}/status"))
-        .ok()?
-        .lines()
-        .find_map(|l| l.strip_prefix("VmRSS:"))
-        .and_then(|v| v.trim().trim_end_matches("kB").trim().parse().ok())
-}
-
-fn alive(pid: i32) -> bool {
-    fs::read_to_string(format!("/proc/{pid}/stat"))
-        .ok()
-        .and_then(|s| {
-            s.rsplit_once(')')
-                .map(|(_, r)| r.trim_start().chars().next())
-        })
-        .flatten()
-        .is_some_and(|c| c != 'Z' && c != 'X')
-}
-
-fn is_mounted(mp: &Path) -> bool {
-    let want = mp.to_string_lossy().replace(' ', "\\040");
-    fs::read_to_string("/proc/self/mountinfo")
-        .unwrap_or_default()
-        .lines()
-        .any(|l| l.split(' ').nth(4) == Some(want.as_str()))
-}
-
 #[derive(Default)]
 struct Stats {
     reads: AtomicU64,
@@ -297,8 +229,8 @@ fn load(
         let (files, stats, stop) = (files.clone(), stats.clone(), stop.clone());
         let mnt = mnt.to_path_buf();
         handles.push(std::thread::spawn(move || {
-            let mut rng = Rng(0x5eed ^ (t as u64) << 32 ^ std::process::id() as u64);
-            let direct: Vec<File> = files.iter().map(|f| open_direct(&mnt.join(&f.rel)).unwrap()).collect();
+            let mut rng = SplitMix(0x5eed ^ (t as u64) << 32 ^ std::process::id() as u64);
+            let direct: Vec<File> = files.iter().map(|f| open_direct(&mnt.join(&f.rel))).collect();
             let cached: Vec<File> = files.iter().map(|f| File::open(mnt.join(&f.rel)).unwrap()).collect();
             while !stop.load(Ordering::Relaxed) {
                 // Nine reads in ten go to the largest shard.
@@ -309,8 +241,7 @@ fn load(
                 let via_cache = rng.below(8) == 0;
                 let h = if via_cache { &cached[i] } else { &direct[i] };
                 if via_cache && rng.below(4) == 0 {
-                    // SAFETY: advice on a descriptor we hold.
-                    unsafe { libc::posix_fadvise(h.as_raw_fd(), 0, 0, libc::POSIX_FADV_DONTNEED) };
+                    drop_page_cache(h);
                 }
                 match pread(h, off, len) {
                     Ok(got) => {
@@ -358,7 +289,7 @@ fn load(
             };
             assert_ne!(base, libc::MAP_FAILED, "mmap");
             let map = unsafe { std::slice::from_raw_parts(base as *const u8, len) };
-            let mut rng = Rng(0x3a3a);
+            let mut rng = SplitMix(0x3a3a);
             let mut n = 0u64;
             while !stop.load(Ordering::Relaxed) {
                 let off = rng.below(len as u64) as usize;
@@ -380,11 +311,9 @@ fn load(
                 n += 1;
                 if n % 16 == 0 {
                     // Drop the pages so they are fetched from the daemon again.
-                    // SAFETY: on our own mapping and descriptor.
-                    unsafe {
-                        libc::madvise(base, len, libc::MADV_DONTNEED);
-                        libc::posix_fadvise(f.as_raw_fd(), 0, 0, libc::POSIX_FADV_DONTNEED);
-                    }
+                    // SAFETY: on our own mapping.
+                    unsafe { libc::madvise(base, len, libc::MADV_DONTNEED) };
+                    drop_page_cache(&f);
                 }
             }
             // SAFETY: the mapping made above.
@@ -398,7 +327,7 @@ fn load(
     let mut dead = false;
     while Instant::now() < deadline {
         std::thread::sleep(Duration::from_millis(100));
-        match rss_kb(pid) {
+        match rss_kib(pid) {
             Some(kb) => {
                 max_rss = max_rss.max(kb);
                 rss_samples += 1;
@@ -418,7 +347,7 @@ fn load(
                 stats.bytes.load(Ordering::Relaxed) >> 20,
                 stats.errors.load(Ordering::Relaxed),
                 stats.wrong.load(Ordering::Relaxed),
-                rss_kb(pid).unwrap_or(0) >> 10,
+                rss_kib(pid).unwrap_or(0) >> 10,
                 max_rss >> 10
             );
         }
@@ -466,13 +395,12 @@ fn sigterm(plain: &Path, mnt: &Path, pid: i32) -> bool {
                 if t % 2 == 0 {
                     open_direct(&p)
                 } else {
-                    File::open(&p)
+                    File::open(&p).unwrap()
                 }
-                .unwrap()
             })
             .collect();
         std::thread::spawn(move || {
-            let mut rng = Rng(77 + t as u64);
+            let mut rng = SplitMix(77 + t as u64);
             let outcome = loop {
                 if stop.load(Ordering::Relaxed) {
                     break Err("stopped without an error".to_string());
@@ -485,10 +413,7 @@ fn sigterm(plain: &Path, mnt: &Path, pid: i32) -> bool {
                 let f = &files[i];
                 let off = rng.below(f.len + 1);
                 let len = rng.size(1 << 20) as usize;
-                // SAFETY: advice on a descriptor we hold.
-                unsafe {
-                    libc::posix_fadvise(handles[i].as_raw_fd(), 0, 0, libc::POSIX_FADV_DONTNEED)
-                };
+                drop_page_cache(&handles[i]);
                 match pread(&handles[i], off, len) {
                     Ok(got) if got == f.bytes(off, len) => {
                         reads[t].fetch_add(1, Ordering::Relaxed);
@@ -511,8 +436,7 @@ fn sigterm(plain: &Path, mnt: &Path, pid: i32) -> bool {
         std::thread::sleep(Duration::from_millis(5));
     }
     let in_flight: u64 = reads.iter().map(|r| r.load(Ordering::Relaxed)).sum();
-    // SAFETY: a signal to the daemon under test.
-    unsafe { libc::kill(pid, libc::SIGTERM) };
+    kill(pid, libc::SIGTERM);
     let signalled = Instant::now();
     let mut ok = true;
     let mut errors = BTreeMap::new();

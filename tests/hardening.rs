@@ -14,19 +14,20 @@
 mod common;
 
 use std::collections::{BTreeMap, BTreeSet};
-use std::ffi::{OsStr, OsString};
+use std::ffi::OsStr;
 use std::fs::{self, File, OpenOptions};
 use std::io::{self, Write};
 use std::os::fd::AsRawFd;
-use std::os::unix::ffi::{OsStrExt, OsStringExt};
-use std::os::unix::fs::{symlink, FileExt, OpenOptionsExt, PermissionsExt};
+use std::os::unix::ffi::OsStrExt;
+use std::os::unix::fs::{symlink, FileExt, PermissionsExt};
 use std::os::unix::process::CommandExt;
 use std::path::{Path, PathBuf};
 use std::process::{Command, Output, Stdio};
 use std::sync::atomic::{AtomicBool, Ordering};
-use std::sync::{Arc, Mutex, OnceLock};
+use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
+use common::harness::*;
 use kllm_mount::blob;
 use kllm_mount::key::ModelKey;
 use kllm_mount::lock::Version;
@@ -38,7 +39,6 @@ use rand::{Rng, SeedableRng};
 use safetensors::Dtype;
 use tempfile::TempDir;
 
-const BIN: &str = env!("CARGO_BIN_EXE_kllm-mount");
 const KEY: [u8; 32] = [0x6b; 32];
 const EIO: i32 = libc::EIO;
 const NOBODY: u32 = 65534;
@@ -142,113 +142,21 @@ fn locked_shards(sealed: &Path) -> Vec<String> {
 // Mounting the binary
 // ---------------------------------------------------------------------------------------
 
-/// Daemons outlive the `kllm-mount` that forks them; as subreaper this process collects them.
-fn become_subreaper() {
-    static ONCE: OnceLock<()> = OnceLock::new();
-    ONCE.get_or_init(|| {
-        // SAFETY: a plain prctl on this process.
-        unsafe { libc::prctl(libc::PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0) };
-    });
-}
-
-fn unescape_mountinfo(field: &str) -> PathBuf {
-    let b = field.as_bytes();
-    let mut out = Vec::with_capacity(b.len());
-    let mut i = 0;
-    while i < b.len() {
-        if b[i] == b'\\' && i + 3 < b.len() && b[i + 1..i + 4].iter().all(u8::is_ascii_digit) {
-            out.push((b[i + 1] - b'0') * 64 + (b[i + 2] - b'0') * 8 + (b[i + 3] - b'0'));
-            i += 4;
-        } else {
-            out.push(b[i]);
-            i += 1;
-        }
-    }
-    PathBuf::from(OsString::from_vec(out))
-}
-
-fn is_mounted(mp: &Path) -> bool {
-    fs::read_to_string("/proc/self/mountinfo")
-        .unwrap()
-        .lines()
-        .filter_map(|l| l.split(' ').nth(4))
-        .any(|f| unescape_mountinfo(f) == mp)
-}
-
-fn proc_state(pid: i32) -> Option<char> {
-    let stat = fs::read_to_string(format!("/proc/{pid}/stat")).ok()?;
-    stat.rsplit_once(')')?.1.trim_start().chars().next()
-}
-
-fn alive(pid: i32) -> bool {
-    !matches!(proc_state(pid), None | Some('Z') | Some('X'))
-}
-
-/// Live processes with `arg` among their arguments, never this one.
-fn pids_with_arg(arg: &Path) -> Vec<i32> {
-    let me = std::process::id() as i32;
-    fs::read_dir("/proc")
-        .unwrap()
-        .flatten()
-        .filter_map(|e| e.file_name().to_str()?.parse::<i32>().ok())
-        .filter(|&pid| pid != me && alive(pid))
-        .filter(|pid| {
-            fs::read(format!("/proc/{pid}/cmdline")).is_ok_and(|c| {
-                c.split(|&b| b == 0)
-                    .any(|a| a == arg.as_os_str().as_bytes())
-            })
-        })
-        .collect()
-}
-
-/// Wait for `pid` to end (reaping it when it is ours); false if it still runs at `timeout`.
-fn wait_gone(pid: i32, timeout: Duration) -> bool {
-    let deadline = Instant::now() + timeout;
-    loop {
-        let mut status = 0;
-        // SAFETY: waitpid on one pid, without blocking.
-        let r = unsafe { libc::waitpid(pid, &mut status, libc::WNOHANG) };
-        if r == pid || (r < 0 && !alive(pid)) {
-            return true;
-        }
-        if Instant::now() >= deadline {
-            return false;
-        }
-        std::thread::sleep(Duration::from_millis(20));
-    }
-}
-
-fn kill(pid: i32, sig: i32) {
-    // SAFETY: a signal to a process this test started.
-    unsafe { libc::kill(pid, sig) };
-}
-
-fn fusermount_u(mp: &Path, lazy: bool) -> bool {
-    let mut c = Command::new("fusermount3");
-    c.args(["-u", "-q"]);
-    if lazy {
-        c.arg("-z");
-    }
-    c.arg(mp)
-        .stdout(Stdio::null())
-        .stderr(Stdio::null())
-        .status()
-        .is_ok_and(|s| s.success())
-}
-
-/// A mount of the binary in the background. Dropping it unmounts, ends the daemon and
-/// removes the mount point.
+/// A background mount of the binary and its daemon. Dropping it unmounts, ends the daemon
+/// and removes the mount point.
 struct Mounted {
-    _dir: TempDir,
-    mp: PathBuf,
+    mnt: Mnt,
     pid: i32,
 }
 
-impl Mounted {
-    fn path(&self, rel: &str) -> PathBuf {
-        self.mp.join(rel)
+impl std::ops::Deref for Mounted {
+    type Target = Mnt;
+    fn deref(&self) -> &Mnt {
+        &self.mnt
     }
+}
 
+impl Mounted {
     fn assert_alive(&self, what: &str) {
         assert!(alive(self.pid), "{what}: the daemon died");
         assert!(is_mounted(&self.mp), "{what}: no longer mounted");
@@ -256,68 +164,15 @@ impl Mounted {
     }
 }
 
-impl Drop for Mounted {
-    fn drop(&mut self) {
-        if is_mounted(&self.mp) && !fusermount_u(&self.mp, false) {
-            fusermount_u(&self.mp, true);
-        }
-        if !wait_gone(self.pid, Duration::from_secs(5)) {
-            kill(self.pid, libc::SIGKILL);
-            wait_gone(self.pid, Duration::from_secs(5));
-        }
-    }
-}
-
-/// A mount command with no key in the environment and an empty HOME.
-fn mount_cmd(sealed: &Path, mp: &Path, home: &Path) -> Command {
-    let mut c = Command::new(BIN);
-    c.arg(sealed)
-        .arg(mp)
-        .env_remove("KLLM_MODEL_KEY")
-        .env_remove("KLLM_PASSPHRASE")
-        .env_remove("RUST_LOG")
-        .env("HOME", home)
-        .stdin(Stdio::null())
-        .stdout(Stdio::piped())
-        .stderr(Stdio::piped());
-    c
-}
-
-/// Mount `sealed` in the background with `args`; `tweak` may change the command first.
+/// Mount `sealed` in the background with `args`, in the mount's temporary directory (where a
+/// core file would land); `tweak` may change the command first.
 fn mount_with(sealed: &Path, args: &[&OsStr], tweak: impl FnOnce(&mut Command)) -> Mounted {
-    become_subreaper();
-    let dir = tempfile::Builder::new()
-        .prefix("kllm-hardening-mnt.")
-        .tempdir()
-        .unwrap();
-    fs::set_permissions(dir.path(), fs::Permissions::from_mode(0o755)).unwrap();
-    let root = fs::canonicalize(dir.path()).unwrap();
-    let mp = root.join("mnt");
-    let home = root.join("home");
-    fs::create_dir(&mp).unwrap();
-    fs::create_dir(&home).unwrap();
-    let mut c = mount_cmd(sealed, &mp, &home);
-    c.args(args).current_dir(&root);
+    let mnt = Mnt::new();
+    let mut c = mnt.cmd(sealed);
+    c.args(args).current_dir(mnt.mp.parent().unwrap());
     tweak(&mut c);
-    let out = c.output().expect("run kllm-mount");
-    assert!(
-        out.status.success(),
-        "mount of {} failed ({}): {}",
-        sealed.display(),
-        out.status,
-        String::from_utf8_lossy(&out.stderr)
-    );
-    assert!(
-        is_mounted(&mp),
-        "kllm-mount returned 0 but nothing is mounted"
-    );
-    let pids = pids_with_arg(&mp);
-    assert_eq!(pids.len(), 1, "daemons serving {}: {pids:?}", mp.display());
-    Mounted {
-        _dir: dir,
-        mp,
-        pid: pids[0],
-    }
+    let pid = mnt.mount(c);
+    Mounted { mnt, pid }
 }
 
 fn mount_sample(s: &Sample, extra: &[&str]) -> Mounted {
@@ -327,42 +182,11 @@ fn mount_sample(s: &Sample, extra: &[&str]) -> Mounted {
     mount_with(&s.sealed(), &args, |_| {})
 }
 
-fn open_direct(path: &Path) -> File {
-    OpenOptions::new()
-        .read(true)
-        .custom_flags(libc::O_DIRECT)
-        .open(path)
-        .unwrap_or_else(|e| panic!("open O_DIRECT {}: {e}", path.display()))
-}
-
-/// `pread` until `len` bytes or the end of the file.
-fn pread(f: &File, off: u64, len: usize) -> io::Result<Vec<u8>> {
-    let mut buf = vec![0u8; len];
-    let mut got = 0;
-    while got < len {
-        match f.read_at(&mut buf[got..], off + got as u64) {
-            Ok(0) => break,
-            Ok(n) => got += n,
-            Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
-            Err(e) => return Err(e),
-        }
-    }
-    buf.truncate(got);
-    Ok(buf)
-}
-
 /// The whole file through the daemon (O_DIRECT: no page cache in between).
 fn read_direct(path: &Path) -> io::Result<Vec<u8>> {
     let f = open_direct(path);
     let len = f.metadata()?.len() as usize;
     pread(&f, 0, len)
-}
-
-fn errno(r: io::Result<Vec<u8>>, what: &str) -> i32 {
-    match r {
-        Ok(v) => panic!("{what}: read {} bytes, expected an error", v.len()),
-        Err(e) => e.raw_os_error().unwrap_or(-1),
-    }
 }
 
 // ---------------------------------------------------------------------------------------
@@ -627,7 +451,7 @@ fn truncated_shard_gives_eio_past_the_cut_and_right_bytes_before() {
         failed.iter().any(|&off| off + 4096 > cut),
         "nothing failed past the cut at {cut}"
     );
-    assert_eq!(errno(read_direct(&m.path(rel)), "whole file"), EIO);
+    assert_eq!(errno_of(read_direct(&m.path(rel)), "whole file"), EIO);
     // Through the page cache too.
     let e = fs::read(m.path(rel));
     assert!(
@@ -653,9 +477,9 @@ fn truncated_shard_gives_eio_past_the_cut_and_right_bytes_before() {
         .unwrap();
     let f = open_direct(&m.path(rel));
     assert_eq!(pread(&f, 0, ds as usize).unwrap(), want[..ds as usize]);
-    assert_eq!(errno(pread(&f, ds, 100), "data after a cut header"), EIO);
+    assert_eq!(errno_of(pread(&f, ds, 100), "data after a cut header"), EIO);
     fs::write(&path, b"").unwrap();
-    assert_eq!(errno(pread(&f, ds, 1), "emptied shard"), EIO);
+    assert_eq!(errno_of(pread(&f, ds, 1), "emptied shard"), EIO);
     m.assert_alive("after reads of an emptied shard");
     t.others_unharmed();
 }
@@ -839,12 +663,11 @@ fn symlinks_inside_are_followed_outside_ones_are_not_shown() {
     symlink(".", sealed.join("self-loop")).unwrap();
     // Neither files nor folders: a FIFO (opening it would block the mount forever), a
     // character device (/dev/zero's numbers), and a link to the FIFO.
-    let c = |p: &Path| std::ffi::CString::new(p.as_os_str().as_bytes()).unwrap();
     // SAFETY: plain calls with NUL-terminated paths.
     unsafe {
-        assert_eq!(libc::mkfifo(c(&sealed.join("fifo")).as_ptr(), 0o644), 0);
+        assert_eq!(libc::mkfifo(cpath(&sealed.join("fifo")).as_ptr(), 0o644), 0);
         libc::mknod(
-            c(&sealed.join("zero-device")).as_ptr(),
+            cpath(&sealed.join("zero-device")).as_ptr(),
             libc::S_IFCHR | 0o644,
             libc::makedev(1, 5),
         );
@@ -1392,7 +1215,10 @@ fn key_never_in_the_daemon_argv() {
         );
     }
     // The command line takes no key value at all: only a file name.
-    let help = Command::new(BIN).arg("--help").output().unwrap();
+    let help = Command::new(kllm_mount_bin())
+        .arg("--help")
+        .output()
+        .unwrap();
     let help = String::from_utf8_lossy(&help.stdout);
     assert!(help.contains("--key <FILE>"), "{help}");
 }
@@ -1502,7 +1328,7 @@ fn daemon_is_not_dumpable_and_writes_no_core() {
     let cwd = fs::read_link(format!("/proc/{}/cwd", m.pid)).unwrap();
     kill(m.pid, libc::SIGABRT);
     assert!(
-        wait_gone(m.pid, Duration::from_secs(20)),
+        wait_gone(m.pid, Duration::from_secs(20)).is_some(),
         "daemon survived SIGABRT"
     );
     std::thread::sleep(Duration::from_millis(200));

@@ -11,12 +11,11 @@ use std::collections::BTreeSet;
 use std::ffi::OsString;
 use std::fs::{self, File, OpenOptions};
 use std::io::{self, Read};
-use std::os::unix::ffi::OsStrExt;
-use std::os::unix::fs::{FileExt, MetadataExt, OpenOptionsExt, PermissionsExt};
-use std::path::{Path, PathBuf};
-use std::process::{Child, Command, Output, Stdio};
+use std::os::unix::fs::{FileExt, MetadataExt, PermissionsExt};
+use std::path::Path;
+use std::process::{Command, Output, Stdio};
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
-use std::sync::{mpsc, Arc, OnceLock};
+use std::sync::{mpsc, Arc};
 use std::time::{Duration, Instant};
 
 use common::*;
@@ -24,227 +23,13 @@ use rand::rngs::StdRng;
 use rand::seq::SliceRandom;
 use rand::{Rng, SeedableRng};
 use serde_json::Value;
-use tempfile::TempDir;
 
-const BIN: &str = env!("CARGO_BIN_EXE_kllm-mount");
 const EROFS: i32 = libc::EROFS;
 const EIO: i32 = libc::EIO;
 
 // ---------------------------------------------------------------------------------------
-// Processes and mounts
+// Mounting a case
 // ---------------------------------------------------------------------------------------
-
-/// Daemons that outlive the `kllm-mount` that forked them become our children, so their exit
-/// status can be collected (and they never linger as zombies of some other init).
-fn become_subreaper() {
-    static ONCE: OnceLock<()> = OnceLock::new();
-    ONCE.get_or_init(|| {
-        // SAFETY: a plain prctl on this process.
-        unsafe { libc::prctl(libc::PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0) };
-    });
-}
-
-/// `/proc/self/mountinfo`'s mount points, unescaped.
-fn mount_points() -> Vec<PathBuf> {
-    let text = fs::read_to_string("/proc/self/mountinfo").unwrap();
-    text.lines()
-        .filter_map(|l| l.split(' ').nth(4))
-        .map(|field| {
-            let b = field.as_bytes();
-            let mut out = Vec::with_capacity(b.len());
-            let mut i = 0;
-            while i < b.len() {
-                if b[i] == b'\\'
-                    && i + 3 < b.len()
-                    && b[i + 1..i + 4].iter().all(u8::is_ascii_digit)
-                {
-                    let v = (b[i + 1] - b'0') * 64 + (b[i + 2] - b'0') * 8 + (b[i + 3] - b'0');
-                    out.push(v);
-                    i += 4;
-                } else {
-                    out.push(b[i]);
-                    i += 1;
-                }
-            }
-            PathBuf::from(OsString::from(std::ffi::OsStr::from_bytes(&out)))
-        })
-        .collect()
-}
-
-fn is_mounted(mp: &Path) -> bool {
-    mount_points().iter().any(|p| p == mp)
-}
-
-/// The process state letter of `pid`, `None` when it is gone.
-fn proc_state(pid: i32) -> Option<char> {
-    let stat = fs::read_to_string(format!("/proc/{pid}/stat")).ok()?;
-    stat.rsplit_once(')')?.1.trim_start().chars().next()
-}
-
-/// Live processes (not zombies) with `arg` as one of their arguments; never this process.
-fn pids_with_arg(arg: &Path) -> Vec<i32> {
-    let me = std::process::id() as i32;
-    let mut out = Vec::new();
-    for e in fs::read_dir("/proc").unwrap().flatten() {
-        let Some(pid) = e.file_name().to_str().and_then(|s| s.parse::<i32>().ok()) else {
-            continue;
-        };
-        if pid == me {
-            continue;
-        }
-        let Ok(cmdline) = fs::read(e.path().join("cmdline")) else {
-            continue;
-        };
-        if cmdline
-            .split(|&b| b == 0)
-            .any(|a| a == arg.as_os_str().as_bytes())
-            && !matches!(proc_state(pid), None | Some('Z') | Some('X'))
-        {
-            out.push(pid);
-        }
-    }
-    out
-}
-
-/// How a process we waited for ended.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-enum Gone {
-    /// Reaped by us: `Some(code)` for a normal exit, `None` when killed by a signal.
-    Exited(Option<i32>),
-    /// Not our child; it is gone or a zombie.
-    Vanished,
-}
-
-/// Wait up to `timeout` for `pid` to end. `None` if it is still running then.
-fn wait_gone(pid: i32, timeout: Duration) -> Option<Gone> {
-    let deadline = Instant::now() + timeout;
-    loop {
-        let mut status = 0;
-        // SAFETY: waitpid on one pid with WNOHANG.
-        let r = unsafe { libc::waitpid(pid, &mut status, libc::WNOHANG) };
-        if r == pid {
-            return Some(Gone::Exited(
-                libc::WIFEXITED(status).then(|| libc::WEXITSTATUS(status)),
-            ));
-        }
-        if r < 0 && matches!(proc_state(pid), None | Some('Z') | Some('X')) {
-            return Some(Gone::Vanished);
-        }
-        if Instant::now() >= deadline {
-            return None;
-        }
-        std::thread::sleep(Duration::from_millis(20));
-    }
-}
-
-fn kill(pid: i32, sig: i32) {
-    // SAFETY: a signal to one process this test started.
-    unsafe { libc::kill(pid, sig) };
-}
-
-fn fusermount_u(mp: &Path, lazy: bool) -> bool {
-    let mut c = Command::new("fusermount3");
-    c.arg("-u").arg("-q");
-    if lazy {
-        c.arg("-z");
-    }
-    c.arg(mp)
-        .stdout(Stdio::null())
-        .stderr(Stdio::null())
-        .status()
-        .map(|s| s.success())
-        .unwrap_or(false)
-}
-
-/// A temporary directory holding a mount point (`mnt`) and an empty `home` for `HOME`.
-/// Dropping it unmounts whatever is mounted there, ends the processes serving it and removes
-/// it all, also when the test panicked.
-struct Mnt {
-    dir: TempDir,
-    mp: PathBuf,
-    home: PathBuf,
-    /// A `-f` process, when the test started one.
-    child: Option<Child>,
-}
-
-impl Mnt {
-    fn new() -> Mnt {
-        become_subreaper();
-        let dir = tempfile::Builder::new()
-            .prefix("kllm-mount-test.")
-            .tempdir()
-            .unwrap();
-        let root = fs::canonicalize(dir.path()).unwrap();
-        let mp = root.join("mnt");
-        let home = root.join("home");
-        fs::create_dir(&mp).unwrap();
-        fs::create_dir(&home).unwrap();
-        Mnt {
-            dir,
-            mp,
-            home,
-            child: None,
-        }
-    }
-
-    fn scratch(&self) -> &Path {
-        self.dir.path()
-    }
-
-    /// `kllm-mount SEALED MP`, with no key in the environment and an empty HOME.
-    fn cmd(&self, sealed: &Path) -> Command {
-        let mut c = Command::new(BIN);
-        c.arg(sealed)
-            .arg(&self.mp)
-            .env_remove("KLLM_MODEL_KEY")
-            .env_remove("KLLM_PASSPHRASE")
-            .env_remove("RUST_LOG")
-            .env("HOME", &self.home)
-            .stdin(Stdio::null());
-        c
-    }
-
-    fn path(&self, rel: &str) -> PathBuf {
-        self.mp.join(rel)
-    }
-
-    /// The one background daemon serving this mount point.
-    fn daemon(&self) -> i32 {
-        let pids = pids_with_arg(&self.mp);
-        assert_eq!(
-            pids.len(),
-            1,
-            "daemons serving {}: {pids:?}",
-            self.mp.display()
-        );
-        pids[0]
-    }
-}
-
-impl Drop for Mnt {
-    fn drop(&mut self) {
-        if is_mounted(&self.mp) && !fusermount_u(&self.mp, false) {
-            fusermount_u(&self.mp, true);
-        }
-        let mut ours = pids_with_arg(&self.mp);
-        if let Some(c) = &self.child {
-            ours.push(c.id() as i32);
-        }
-        for pid in ours {
-            if wait_gone(pid, Duration::from_secs(5)).is_none() {
-                kill(pid, libc::SIGKILL);
-                wait_gone(pid, Duration::from_secs(5));
-            }
-        }
-        if let Some(mut c) = self.child.take() {
-            let _ = c.kill();
-            let _ = c.wait();
-        }
-        if is_mounted(&self.mp) {
-            fusermount_u(&self.mp, true);
-        }
-    }
-}
 
 /// `--key FILE` and the environment a case needs.
 fn key_setup(case: &Case) -> (Vec<OsString>, Vec<(&'static str, String)>) {
@@ -269,15 +54,6 @@ fn key_hex(case: &Case) -> String {
         .to_string()
 }
 
-fn run(mut c: Command) -> Output {
-    c.stdout(Stdio::piped()).stderr(Stdio::piped());
-    c.output().expect("run kllm-mount")
-}
-
-fn stderr_of(out: &Output) -> String {
-    String::from_utf8_lossy(&out.stderr).into_owned()
-}
-
 /// Mount in the background and check it is there the moment the command returns.
 fn mount_with(m: &Mnt, sealed: &Path, args: &[OsString], env: &[(&str, String)]) {
     let mut c = m.cmd(sealed);
@@ -285,19 +61,7 @@ fn mount_with(m: &Mnt, sealed: &Path, args: &[OsString], env: &[(&str, String)])
     for (k, v) in env {
         c.env(k, v);
     }
-    let out = run(c);
-    assert!(
-        out.status.success(),
-        "mount of {} failed ({}): {}",
-        sealed.display(),
-        out.status,
-        stderr_of(&out)
-    );
-    assert!(
-        is_mounted(&m.mp),
-        "kllm-mount returned 0 but {} is not in mountinfo",
-        m.mp.display()
-    );
+    m.mount(c);
 }
 
 fn mount_case(case: &Case, extra: &[&str]) -> Mnt {
@@ -344,37 +108,6 @@ fn assert_refused(m: &Mnt, out: &Output, what: &str) -> String {
 // ---------------------------------------------------------------------------------------
 // Reading
 // ---------------------------------------------------------------------------------------
-
-fn open_direct(path: &Path) -> File {
-    OpenOptions::new()
-        .read(true)
-        .custom_flags(libc::O_DIRECT)
-        .open(path)
-        .unwrap_or_else(|e| panic!("open O_DIRECT {}: {e}", path.display()))
-}
-
-/// Drop the kernel's cached pages of a file so the next reads go to the daemon.
-fn drop_page_cache(f: &File) {
-    use std::os::fd::AsRawFd;
-    // SAFETY: advice on a descriptor we hold.
-    unsafe { libc::posix_fadvise(f.as_raw_fd(), 0, 0, libc::POSIX_FADV_DONTNEED) };
-}
-
-/// `pread` until `len` bytes or the end of the file.
-fn pread(f: &File, off: u64, len: usize) -> io::Result<Vec<u8>> {
-    let mut buf = vec![0u8; len];
-    let mut got = 0;
-    while got < len {
-        match f.read_at(&mut buf[got..], off + got as u64) {
-            Ok(0) => break,
-            Ok(n) => got += n,
-            Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
-            Err(e) => return Err(e),
-        }
-    }
-    buf.truncate(got);
-    Ok(buf)
-}
 
 fn slice(want: &[u8], off: u64, len: usize) -> &[u8] {
     let lo = (off as usize).min(want.len());
@@ -653,40 +386,12 @@ fn case(name: &str) -> Case {
         .unwrap_or_else(|| panic!("no vector {name}"))
 }
 
-/// A writable copy of a directory tree.
-fn copy_tree(from: &Path, to: &Path) {
-    fs::create_dir_all(to).unwrap();
-    for e in fs::read_dir(from).unwrap() {
-        let e = e.unwrap();
-        let dst = to.join(e.file_name());
-        if e.file_type().unwrap().is_dir() {
-            copy_tree(&e.path(), &dst);
-        } else {
-            fs::copy(e.path(), &dst).unwrap();
-            fs::set_permissions(&dst, fs::Permissions::from_mode(0o644)).unwrap();
-        }
-    }
-}
-
-fn errno_of<T: std::fmt::Debug>(r: io::Result<T>, what: &str) -> i32 {
-    match r {
-        Ok(v) => panic!("{what}: succeeded ({v:?}), must fail"),
-        Err(e) => e
-            .raw_os_error()
-            .unwrap_or_else(|| panic!("{what}: {e} has no errno")),
-    }
-}
-
 fn libc_result(r: libc::c_int) -> io::Result<libc::c_int> {
     if r < 0 {
         Err(io::Error::last_os_error())
     } else {
         Ok(r)
     }
-}
-
-fn cpath(p: &Path) -> std::ffi::CString {
-    std::ffi::CString::new(p.as_os_str().as_bytes()).unwrap()
 }
 
 #[test]
@@ -1175,47 +880,11 @@ fn daemon_ends_when_unmounted_with_fusermount() {
     assert_eq!(fs::read_dir(&m.mp).unwrap().count(), 0);
 }
 
-/// Start `kllm-mount -f` and wait until the mount answers.
-fn start_foreground(c: &Case, m: &mut Mnt) {
-    let (args, env) = key_setup(c);
-    let mut cmd = m.cmd(&c.sealed());
-    cmd.arg("-f")
-        .args(&args)
-        .stdout(Stdio::null())
-        .stderr(Stdio::piped());
-    for (k, v) in &env {
-        cmd.env(k, v);
-    }
-    m.child = Some(cmd.spawn().unwrap());
-    let deadline = Instant::now() + Duration::from_secs(20);
-    loop {
-        if is_mounted(&m.mp) && fs::metadata(m.path("config.json")).is_ok() {
-            return;
-        }
-        if let Some(st) = m.child.as_mut().unwrap().try_wait().unwrap() {
-            let mut err = String::new();
-            let _ = m
-                .child
-                .as_mut()
-                .unwrap()
-                .stderr
-                .take()
-                .unwrap()
-                .read_to_string(&mut err);
-            panic!("kllm-mount -f exited ({st}) before mounting: {err}");
-        }
-        assert!(
-            Instant::now() < deadline,
-            "kllm-mount -f did not mount in 20 s"
-        );
-        std::thread::sleep(Duration::from_millis(10));
-    }
-}
-
 fn foreground_ends_on(sig: i32) {
     let c = case("llm_v2");
     let mut m = Mnt::new();
-    start_foreground(&c, &mut m);
+    let (args, env) = key_setup(&c);
+    m.start_foreground(&c.sealed(), &args, &env);
     assert_whole_view(&c, &m, "-f");
     let child = m.child.as_mut().unwrap();
     kill(child.id() as i32, sig);
@@ -1359,7 +1028,7 @@ fn bad_mount_points_are_named() {
     let file = m.scratch().join("a-file");
     fs::write(&file, b"x").unwrap();
     for mp in [m.scratch().join("does-not-exist"), file] {
-        let mut cmd = Command::new(BIN);
+        let mut cmd = Command::new(kllm_mount_bin());
         cmd.arg(c.sealed())
             .arg(&mp)
             .arg("--key")
