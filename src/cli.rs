@@ -13,6 +13,7 @@ use fuser::{Config, MountOption, Session, SessionACL};
 
 use crate::fuse::KllmFs;
 use crate::key;
+use crate::passthrough::{Requested, ServeMode};
 use crate::sealed::{self, Options};
 use crate::view::View;
 use crate::{Error, Result};
@@ -49,6 +50,16 @@ pub struct Args {
     /// Threads serving kernel requests.
     #[arg(long, value_name = "N", default_value_t = default_threads())]
     pub threads: usize,
+    /// How reads are served: `passthrough` decodes a locked shard whole into private
+    /// memory on its first open, and the kernel then serves it without the daemon (root,
+    /// Linux 6.9+); `fuse` serves every read through the daemon; `auto` picks passthrough
+    /// where possible.
+    #[arg(long, value_enum, default_value_t = Requested::Auto)]
+    pub mode: Requested,
+    /// Memory for decoded shards in passthrough mode (K/M/G suffixes); an open past it is
+    /// served through FUSE. Default: half the machine's memory.
+    #[arg(long, value_name = "SIZE", value_parser = parse_size)]
+    pub passthrough_memory: Option<u64>,
     /// Append log lines to FILE (the daemon otherwise logs to syslog; -f logs to stderr).
     #[arg(long, value_name = "FILE")]
     pub log_file: Option<PathBuf>,
@@ -126,8 +137,22 @@ pub fn fuse_config(sealed: &Path, options: &[String], threads: usize) -> Result<
     Ok(cfg)
 }
 
-/// Everything that can fail before mounting: arguments, the seal, the key, the view.
-pub fn prepare(args: &Args) -> Result<View> {
+/// Half of the machine's memory.
+fn default_passthrough_memory() -> u64 {
+    // SAFETY: sysconf with valid names.
+    let (pages, page) = unsafe { (libc::sysconf(libc::_SC_PHYS_PAGES), libc::sysconf(libc::_SC_PAGESIZE)) };
+    (pages.max(0) as u64 * page.max(0) as u64) / 2
+}
+
+/// What a mount serves: the view, and the mode it is served in.
+pub struct Prepared {
+    pub view: View,
+    pub mode: ServeMode,
+}
+
+/// Everything that can fail before mounting: arguments, the seal, the key, the view, the
+/// serving mode.
+pub fn prepare(args: &Args) -> Result<Prepared> {
     let mp = &args.mountpoint;
     match std::fs::metadata(mp) {
         Ok(m) if m.is_dir() => {}
@@ -140,12 +165,17 @@ pub fn prepare(args: &Args) -> Result<View> {
         &key::passphrase_from_env_or_prompt,
     )?;
     scrub_env(&[key::KEY_ENV, key::PASSPHRASE_ENV]);
-    sealed::open(
+    let view = sealed::open(
         &args.sealed,
         &model_key,
         &source,
         &Options::with_cache(args.cache_size),
-    )
+    )?;
+    let memory = args
+        .passthrough_memory
+        .unwrap_or_else(default_passthrough_memory);
+    let mode = ServeMode::choose(args.mode, memory)?;
+    Ok(Prepared { view, mode })
 }
 
 enum Event {
@@ -155,9 +185,9 @@ enum Event {
 
 /// Mount and serve until unmounted or signalled. `ready` is called once the mount answers,
 /// or with the error that stopped it.
-pub fn serve(args: &Args, view: View, ready: impl FnOnce(Result<()>)) -> Result<()> {
+pub fn serve(args: &Args, prepared: Prepared, ready: impl FnOnce(Result<()>)) -> Result<()> {
     let (tx, rx) = mpsc::channel();
-    let mut unmounter = match start_session(args, view, tx) {
+    let mut unmounter = match start_session(args, prepared, tx) {
         Ok(u) => u,
         Err(e) => {
             ready(Err(e.clone()));
@@ -188,7 +218,7 @@ pub fn serve(args: &Args, view: View, ready: impl FnOnce(Result<()>)) -> Result<
 /// own that report to `events`.
 fn start_session(
     args: &Args,
-    view: View,
+    prepared: Prepared,
     events: mpsc::Sender<Event>,
 ) -> Result<fuser::SessionUnmounter> {
     // Signals are caught before mounting, so none can end the process with the mount left.
@@ -196,7 +226,8 @@ fn start_session(
         signal_hook::iterator::Signals::new([libc::SIGTERM, libc::SIGINT, libc::SIGHUP])
             .map_err(|e| Error::new(format!("cannot handle signals ({e})")))?;
     let cfg = fuse_config(&args.sealed, &args.options, args.threads)?;
-    let fs = KllmFs::new(Arc::new(view)).on_destroy(Box::new(|| {
+    let mode = Arc::new(prepared.mode);
+    let fs = KllmFs::new(Arc::new(prepared.view), mode, args.cache_size).on_destroy(Box::new(|| {
         log::info!("session ended; exiting");
         std::process::exit(0)
     }));
@@ -381,19 +412,19 @@ pub fn main() {
     if let Err(e) = init_logging(&args, !args.foreground) {
         fail(&e);
     }
-    let view = prepare(&args).unwrap_or_else(|e| fail(&e));
+    let prepared = prepare(&args).unwrap_or_else(|e| fail(&e));
     if args.foreground {
-        if let Err(e) = serve(&args, view, |_| {}) {
+        if let Err(e) = serve(&args, prepared, |_| {}) {
             fail(&e);
         }
         return;
     }
-    daemonize(&args, view);
+    daemonize(&args, prepared);
 }
 
 /// Fork a daemon that mounts; the parent exits 0 once the mount answers, or 1 with the
 /// daemon's error line. No thread exists yet, so forking is safe.
-fn daemonize(args: &Args, view: View) -> ! {
+fn daemonize(args: &Args, prepared: Prepared) -> ! {
     let mut fds = [0i32; 2];
     // SAFETY: pipe2 fills two descriptors we then own.
     if unsafe { libc::pipe2(fds.as_mut_ptr(), libc::O_CLOEXEC) } != 0 {
@@ -426,7 +457,7 @@ fn daemonize(args: &Args, view: View) -> ! {
                 }
             }
             let mut wr = std::fs::File::from(wr);
-            let result = serve(args, view, |status| {
+            let result = serve(args, prepared, |status| {
                 let msg = match status {
                     Ok(()) => "OK\n".to_string(),
                     Err(e) => format!("ERR {e}\n"),
@@ -438,7 +469,7 @@ fn daemonize(args: &Args, view: View) -> ! {
         }
         _child => {
             drop(wr);
-            drop(view);
+            drop(prepared);
             let mut status = String::new();
             let _ = std::fs::File::from(rd).read_to_string(&mut status);
             match status.strip_prefix("ERR ") {

@@ -5,13 +5,16 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use fuser::{
-    Errno, FileAttr, FileHandle, FileType, Filesystem, FopenFlags, Generation, INodeNo,
-    KernelConfig, LockOwner, OpenAccMode, OpenFlags, ReplyAttr, ReplyData, ReplyDirectory,
-    ReplyEmpty, ReplyEntry, ReplyOpen, ReplyStatfs, ReplyXattr, Request,
+    BackingId, Errno, FileAttr, FileHandle, FileType, Filesystem, FopenFlags, Generation,
+    INodeNo, InitFlags, KernelConfig, LockOwner, OpenAccMode, OpenFlags, ReplyAttr, ReplyData,
+    ReplyDirectory, ReplyEmpty, ReplyEntry, ReplyOpen, ReplyStatfs, ReplyXattr, Request,
 };
 
+use crate::memfs::MemoryFile;
+use crate::passthrough::{Backing, OpenTable, Opened, Requested, ServeMode};
 use crate::secmem::SecureBuf;
-use crate::view::{Ino, Kind, View};
+use crate::view::{Content, Ino, Kind, Node, View};
+use crate::ReadError;
 
 /// The view never changes while mounted, so the kernel may cache everything for long.
 const TTL: Duration = Duration::from_secs(3600);
@@ -35,13 +38,18 @@ pub type OnDestroy = Box<dyn FnMut() + Send + Sync>;
 
 pub struct KllmFs {
     view: Arc<View>,
+    mode: Arc<ServeMode>,
+    opens: OpenTable<BackingId>,
     on_destroy: Option<OnDestroy>,
 }
 
 impl KllmFs {
-    pub fn new(view: Arc<View>) -> KllmFs {
+    /// `keep_budget`: bytes of decoded shards kept after their last close, for a reopen.
+    pub fn new(view: Arc<View>, mode: Arc<ServeMode>, keep_budget: u64) -> KllmFs {
         KllmFs {
             view,
+            mode,
+            opens: OpenTable::new(keep_budget),
             on_destroy: None,
         }
     }
@@ -52,6 +60,88 @@ impl KllmFs {
     pub fn on_destroy(mut self, f: OnDestroy) -> KllmFs {
         self.on_destroy = Some(f);
         self
+    }
+
+    /// A backing file for a passthrough open of `node`, or `None` to serve it through
+    /// FUSE: the decoded copy of a locked shard (`kept` if an earlier open left one), or
+    /// the sealed file itself for a file shown verbatim.
+    fn backing(
+        &self,
+        ino: Ino,
+        node: &Node,
+        kept: Option<Arc<MemoryFile>>,
+        reply: &ReplyOpen,
+    ) -> Option<Backing<BackingId>> {
+        let memory = match &node.content {
+            Content::Shard { .. } => Some(match kept {
+                Some(m) => m,
+                None => self.decode(ino, node)?,
+            }),
+            Content::Verbatim { .. } => None,
+            Content::Memory(_) | Content::Dir(_) => return None,
+        };
+        let opened = match &memory {
+            Some(m) => reply.open_backing(m.file()),
+            None => match self.view.verbatim_file(node) {
+                Ok(f) => reply.open_backing(f.as_ref()),
+                Err(e) => {
+                    log::error!("{}: {e}", self.view.path_of(ino));
+                    return None;
+                }
+            },
+        };
+        match opened {
+            Ok(id) => Some(Backing {
+                id: Arc::new(id),
+                memory,
+            }),
+            Err(e) if e.raw_os_error() == Some(libc::EPERM) => {
+                self.mode
+                    .turn_off(format!("the kernel refuses backing files to this process ({e})"));
+                None
+            }
+            Err(e) => {
+                log::warn!(
+                    "{}: no backing file ({e}); served through FUSE",
+                    self.view.path_of(ino)
+                );
+                None
+            }
+        }
+    }
+
+    /// Decode a whole locked shard into private memory, on all cores. When the budget is
+    /// full, shards kept after their last close make room; failing that, the open is
+    /// served through FUSE.
+    fn decode(&self, ino: Ino, node: &Node) -> Option<Arc<MemoryFile>> {
+        let memory = self.mode.passthrough()?;
+        let fill = |buf: &mut [u8]| self.view.read_into(ino, 0, buf).map(drop);
+        let started = std::time::Instant::now();
+        let mut result = memory.fill(node.attr.size, fill);
+        if is_full(&result) && self.opens.drop_kept() > 0 {
+            result = memory.fill(node.attr.size, fill);
+        }
+        match result {
+            Ok(m) => {
+                log::debug!(
+                    "{}: decoded {} bytes in {:?}",
+                    self.view.path_of(ino),
+                    m.len(),
+                    started.elapsed()
+                );
+                Some(Arc::new(m))
+            }
+            Err(e) => {
+                let why = match e {
+                    ReadError::Io(e) if e.raw_os_error() == Some(libc::ENOSPC) => {
+                        "the passthrough memory budget is full".to_string()
+                    }
+                    e => format!("not decoded whole ({e})"),
+                };
+                log::warn!("{}: {why}; served through FUSE", self.view.path_of(ino));
+                None
+            }
+        }
     }
 
     fn attr(&self, ino: Ino) -> Option<FileAttr> {
@@ -91,6 +181,22 @@ impl Filesystem for KllmFs {
             let _ = config.set_max_write(max);
         }
         let _ = config.set_max_background(MAX_BACKGROUND);
+        if self.mode.passthrough().is_some() {
+            // Depth 1: backing files on a plain file system (our tmpfs, the sealed files),
+            // and this mount can still be the lower layer of an overlay.
+            let offered = config
+                .add_capabilities(InitFlags::FUSE_PASSTHROUGH)
+                .and_then(|_| config.set_max_stack_depth(1).map(drop).map_err(|_| InitFlags::FUSE_PASSTHROUGH));
+            if offered.is_err() {
+                let why = "the kernel offers no FUSE passthrough (Linux 6.9+ with CONFIG_FUSE_PASSTHROUGH)";
+                if self.mode.requested() == Requested::Passthrough {
+                    log::error!("--mode passthrough: {why}");
+                    return Err(std::io::Error::other(why));
+                }
+                self.mode.turn_off(why.into());
+            }
+        }
+        self.mode.log();
         Ok(())
     }
 
@@ -119,15 +225,44 @@ impl Filesystem for KllmFs {
     }
 
     fn open(&self, _req: &Request, ino: INodeNo, flags: OpenFlags, reply: ReplyOpen) {
-        match self.view.node(ino.0).map(|n| n.attr.kind) {
-            None => reply.error(Errno::ENOENT),
-            Some(Kind::Dir) => reply.error(Errno::EISDIR),
-            Some(Kind::File) if flags.acc_mode() != OpenAccMode::O_RDONLY => {
-                reply.error(Errno::EROFS)
+        let Some(node) = self.view.node(ino.0) else {
+            return reply.error(Errno::ENOENT);
+        };
+        if node.attr.kind == Kind::Dir {
+            return reply.error(Errno::EISDIR);
+        }
+        if flags.acc_mode() != OpenAccMode::O_RDONLY {
+            return reply.error(Errno::EROFS);
+        }
+        let opened = match self.mode.passthrough() {
+            Some(_) => self
+                .opens
+                .open(ino.0, |kept| self.backing(ino.0, node, kept, &reply)),
+            None => Opened::Fuse {
+                fh: self.opens.open_fuse(ino.0),
+            },
+        };
+        match opened {
+            Opened::Passthrough { fh, id } => {
+                reply.opened_passthrough(FileHandle(fh), FopenFlags::empty(), &id)
             }
             // The view is immutable: pages the kernel cached stay valid across opens.
-            Some(Kind::File) => reply.opened(FileHandle(0), FopenFlags::FOPEN_KEEP_CACHE),
+            Opened::Fuse { fh } => reply.opened(FileHandle(fh), FopenFlags::FOPEN_KEEP_CACHE),
         }
+    }
+
+    fn release(
+        &self,
+        _req: &Request,
+        _ino: INodeNo,
+        fh: FileHandle,
+        _flags: OpenFlags,
+        _lock_owner: Option<LockOwner>,
+        _flush: bool,
+        reply: ReplyEmpty,
+    ) {
+        self.opens.release(fh.0);
+        reply.ok();
     }
 
     fn read(
@@ -255,4 +390,8 @@ impl Filesystem for KllmFs {
             reply.data(&[]);
         }
     }
+}
+
+fn is_full<T>(r: &Result<T, ReadError>) -> bool {
+    matches!(r, Err(ReadError::Io(e)) if e.raw_os_error() == Some(libc::ENOSPC))
 }

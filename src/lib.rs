@@ -3,6 +3,7 @@ pub mod error;
 pub mod key;
 pub mod lock;
 pub mod memfs;
+pub mod passthrough;
 pub mod pyjson;
 pub use error::{Error, ReadError, Result};
 pub mod cache;

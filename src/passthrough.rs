@@ -1,0 +1,390 @@
+//! Which opens the kernel serves by itself, and the bookkeeping that keeps it right.
+//!
+//! With FUSE passthrough the kernel serves `read`, page faults of `mmap` and readahead of an
+//! open file straight from a backing file, without the daemon. A locked shard's backing
+//! file is its whole decoded copy in private memory ([`crate::memfs`]), made on its first
+//! open and shared by every later open; a file shown verbatim is backed by itself.
+//!
+//! The kernel holds each inode in one I/O mode at a time: while any handle of it is open in
+//! passthrough mode every new open must be too, with the same backing file, and while any
+//! is open through the page cache none may be passthrough. [`OpenTable`] tracks the handles
+//! of each inode to answer every open in the mode the kernel accepts. It is generic over
+//! the kernel's backing handle so it can be tested without a kernel.
+
+use std::collections::{HashMap, VecDeque};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::Arc;
+
+use parking_lot::Mutex;
+
+use crate::memfs::{MemoryFile, MemoryFs};
+use crate::view::Ino;
+use crate::{Error, Result};
+
+/// The serving mode asked for on the command line.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
+pub enum Requested {
+    /// Passthrough where the kernel and privileges allow it, else FUSE.
+    Auto,
+    /// Passthrough, or refuse to mount.
+    Passthrough,
+    /// Every read through the daemon.
+    Fuse,
+}
+
+/// The mode the daemon serves in, decided at mount and at the kernel's INIT, and turned
+/// off for good if the kernel refuses a backing file for a reason no open can fix.
+pub struct ServeMode {
+    requested: Requested,
+    memory: Option<MemoryFs>,
+    on: AtomicBool,
+    why_not: Mutex<Option<String>>,
+}
+
+impl ServeMode {
+    /// Make the private memory passthrough needs, or say why not: an error only when
+    /// passthrough was demanded.
+    pub fn choose(requested: Requested, memory_budget: u64) -> Result<ServeMode> {
+        let memory = match requested {
+            Requested::Fuse => Err("--mode fuse".to_string()),
+            _ if !rustix::process::geteuid().is_root() => {
+                Err("backing files need root (CAP_SYS_ADMIN)".to_string())
+            }
+            _ => MemoryFs::new(memory_budget)
+                .map_err(|e| format!("no private memory file system ({e})")),
+        };
+        match memory {
+            Ok(m) => Ok(ServeMode {
+                requested,
+                memory: Some(m),
+                on: AtomicBool::new(true),
+                why_not: Mutex::new(None),
+            }),
+            Err(why) if requested == Requested::Passthrough => Err(Error::new(format!(
+                "--mode passthrough is not possible here: {why}"
+            ))),
+            Err(why) => Ok(ServeMode {
+                requested,
+                memory: None,
+                on: AtomicBool::new(false),
+                why_not: Mutex::new(Some(why)),
+            }),
+        }
+    }
+
+    pub fn requested(&self) -> Requested {
+        self.requested
+    }
+
+    /// The private memory, while passthrough is on.
+    pub fn passthrough(&self) -> Option<&MemoryFs> {
+        self.memory
+            .as_ref()
+            .filter(|_| self.on.load(Ordering::Relaxed))
+    }
+
+    /// Serve every later open through FUSE, and say why once.
+    pub fn turn_off(&self, why: String) {
+        if self.on.swap(false, Ordering::Relaxed) {
+            log::warn!("passthrough off, serving through FUSE: {why}");
+            *self.why_not.lock() = Some(why);
+        }
+    }
+
+    /// `passthrough`, or `fuse` and why.
+    pub fn describe(&self) -> (&'static str, Option<String>) {
+        match self.passthrough() {
+            Some(_) => ("passthrough", None),
+            None => ("fuse", self.why_not.lock().clone()),
+        }
+    }
+
+    /// The one log line saying which mode is in use and why.
+    pub fn log(&self) {
+        match (self.describe(), &self.memory) {
+            (("passthrough", _), Some(m)) => log::warn!(
+                "serving in passthrough mode: the kernel reads decoded shards from private memory (budget {} MiB)",
+                m.budget() >> 20
+            ),
+            ((_, why), _) => log::warn!(
+                "serving through FUSE: {}",
+                why.unwrap_or_else(|| "passthrough unavailable".into())
+            ),
+        }
+    }
+}
+
+/// How one open is served.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum OpenMode {
+    Passthrough,
+    Fuse,
+}
+
+/// A new backing for an inode: the kernel's handle, and the decoded memory behind it (none
+/// for a file backed by itself).
+pub struct Backing<B> {
+    pub id: Arc<B>,
+    pub memory: Option<Arc<MemoryFile>>,
+}
+
+/// What an open got.
+pub enum Opened<B> {
+    Passthrough { fh: u64, id: Arc<B> },
+    Fuse { fh: u64 },
+}
+
+#[derive(Default)]
+struct InodeOpens<B> {
+    passthrough: u32,
+    fuse: u32,
+    backing: Option<Backing<B>>,
+}
+
+/// The open handles of every inode, and decoded shards kept after their last close.
+pub struct OpenTable<B> {
+    inodes: Mutex<HashMap<Ino, Arc<Mutex<InodeOpens<B>>>>>,
+    handles: Mutex<HashMap<u64, (Ino, OpenMode)>>,
+    next_fh: AtomicU64,
+    kept: Mutex<Kept>,
+}
+
+/// Decoded shards with no open handle, newest last, held within `budget` bytes so a
+/// reopen (a second reader, a warm re-read) finds them decoded.
+struct Kept {
+    shards: VecDeque<(Ino, Arc<MemoryFile>)>,
+    budget: u64,
+}
+
+impl Kept {
+    fn bytes(&self) -> u64 {
+        self.shards.iter().map(|(_, m)| m.len()).sum()
+    }
+
+    fn take(&mut self, ino: Ino) -> Option<Arc<MemoryFile>> {
+        let i = self.shards.iter().position(|(i, _)| *i == ino)?;
+        self.shards.remove(i).map(|(_, m)| m)
+    }
+
+    fn keep(&mut self, ino: Ino, memory: Arc<MemoryFile>) {
+        if memory.len() > self.budget {
+            return;
+        }
+        self.shards.push_back((ino, memory));
+        while self.bytes() > self.budget {
+            self.shards.pop_front();
+        }
+    }
+}
+
+impl<B> OpenTable<B> {
+    /// `keep_budget`: bytes of decoded shards kept after their last close.
+    pub fn new(keep_budget: u64) -> OpenTable<B> {
+        OpenTable {
+            inodes: Mutex::new(HashMap::new()),
+            handles: Mutex::new(HashMap::new()),
+            next_fh: AtomicU64::new(1),
+            kept: Mutex::new(Kept {
+                shards: VecDeque::new(),
+                budget: keep_budget,
+            }),
+        }
+    }
+
+    fn inode(&self, ino: Ino) -> Arc<Mutex<InodeOpens<B>>> {
+        self.inodes
+            .lock()
+            .entry(ino)
+            .or_insert_with(|| {
+                Arc::new(Mutex::new(InodeOpens {
+                    passthrough: 0,
+                    fuse: 0,
+                    backing: None,
+                }))
+            })
+            .clone()
+    }
+
+    fn handle(&self, ino: Ino, mode: OpenMode) -> u64 {
+        let fh = self.next_fh.fetch_add(1, Ordering::Relaxed);
+        self.handles.lock().insert(fh, (ino, mode));
+        fh
+    }
+
+    /// Open `ino` through the page cache (passthrough is off, or the file is not one the
+    /// kernel can be handed).
+    pub fn open_fuse(&self, ino: Ino) -> u64 {
+        let inode = self.inode(ino);
+        let mut state = inode.lock();
+        state.fuse += 1;
+        self.handle(ino, OpenMode::Fuse)
+    }
+
+    /// Open `ino` in passthrough mode when the kernel allows it: through the inode's
+    /// backing if it has one, else through a new one from `make`, which gets the decoded
+    /// memory kept from an earlier open, if any. `make` runs under the inode's lock, so
+    /// concurrent first opens decode once; `None` from it opens through the page cache.
+    pub fn open(
+        &self,
+        ino: Ino,
+        make: impl FnOnce(Option<Arc<MemoryFile>>) -> Option<Backing<B>>,
+    ) -> Opened<B> {
+        let inode = self.inode(ino);
+        let mut state = inode.lock();
+        if state.fuse == 0 {
+            if let Some(b) = &state.backing {
+                let id = b.id.clone();
+                state.passthrough += 1;
+                let fh = self.handle(ino, OpenMode::Passthrough);
+                return Opened::Passthrough { fh, id };
+            }
+            let kept = self.kept.lock().take(ino);
+            if let Some(backing) = make(kept) {
+                let id = backing.id.clone();
+                state.backing = Some(backing);
+                state.passthrough += 1;
+                let fh = self.handle(ino, OpenMode::Passthrough);
+                return Opened::Passthrough { fh, id };
+            }
+        }
+        state.fuse += 1;
+        Opened::Fuse {
+            fh: self.handle(ino, OpenMode::Fuse),
+        }
+    }
+
+    /// The kernel released handle `fh`. After the last passthrough handle of an inode its
+    /// backing is closed, and its decoded memory is kept for a reopen or let go.
+    pub fn release(&self, fh: u64) -> Option<(Ino, OpenMode)> {
+        let (ino, mode) = self.handles.lock().remove(&fh)?;
+        let inode = self.inode(ino);
+        let mut state = inode.lock();
+        match mode {
+            OpenMode::Fuse => state.fuse = state.fuse.saturating_sub(1),
+            OpenMode::Passthrough => {
+                state.passthrough = state.passthrough.saturating_sub(1);
+                if state.passthrough == 0 {
+                    if let Some(Backing {
+                        memory: Some(m), ..
+                    }) = state.backing.take()
+                    {
+                        self.kept.lock().keep(ino, m);
+                    }
+                }
+            }
+        }
+        Some((ino, mode))
+    }
+
+    /// Let go of every kept shard, to make room for a new one.
+    pub fn drop_kept(&self) -> u64 {
+        let mut kept = self.kept.lock();
+        let bytes = kept.bytes();
+        kept.shards.clear();
+        bytes
+    }
+
+    /// Handles open now, by mode.
+    pub fn open_handles(&self) -> (u64, u64) {
+        let handles = self.handles.lock();
+        let pt = handles
+            .values()
+            .filter(|(_, m)| *m == OpenMode::Passthrough)
+            .count() as u64;
+        (pt, handles.len() as u64 - pt)
+    }
+
+    /// Bytes of decoded shards kept with no open handle.
+    pub fn kept_bytes(&self) -> u64 {
+        self.kept.lock().bytes()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::sync::atomic::AtomicUsize;
+
+    /// A stand-in for the kernel's backing id that counts how many exist.
+    struct Id(Arc<AtomicUsize>);
+    impl Drop for Id {
+        fn drop(&mut self) {
+            self.0.fetch_sub(1, Ordering::SeqCst);
+        }
+    }
+
+    fn make(live: &Arc<AtomicUsize>) -> impl FnOnce(Option<Arc<MemoryFile>>) -> Option<Backing<Id>> {
+        let live = live.clone();
+        move |_| {
+            live.fetch_add(1, Ordering::SeqCst);
+            Some(Backing {
+                id: Arc::new(Id(live)),
+                memory: None,
+            })
+        }
+    }
+
+    fn fh<B>(o: &Opened<B>) -> u64 {
+        match o {
+            Opened::Passthrough { fh, .. } | Opened::Fuse { fh } => *fh,
+        }
+    }
+
+    #[test]
+    fn opens_share_one_backing_until_the_last_release() {
+        let t = OpenTable::new(0);
+        let live = Arc::new(AtomicUsize::new(0));
+        let a = t.open(7, make(&live));
+        let b = t.open(7, |_| panic!("a second backing was made"));
+        let (Opened::Passthrough { id: ia, .. }, Opened::Passthrough { id: ib, .. }) = (&a, &b)
+        else {
+            panic!("not passthrough");
+        };
+        assert!(Arc::ptr_eq(ia, ib));
+        let (fa, fb) = (fh(&a), fh(&b));
+        drop((a, b));
+        assert_eq!(t.open_handles(), (2, 0));
+        t.release(fa);
+        assert_eq!(live.load(Ordering::SeqCst), 1, "closed while a handle is open");
+        t.release(fb);
+        assert_eq!(live.load(Ordering::SeqCst), 0, "backing kept after the last release");
+        assert_eq!(t.open_handles(), (0, 0));
+        // A later open makes a new one.
+        let c = t.open(7, make(&live));
+        assert!(matches!(c, Opened::Passthrough { .. }));
+        assert_eq!(live.load(Ordering::SeqCst), 1);
+    }
+
+    #[test]
+    fn an_inode_open_through_the_page_cache_stays_there() {
+        let t = OpenTable::new(0);
+        let live = Arc::new(AtomicUsize::new(0));
+        // The first open falls back (no backing could be made).
+        let a = t.open(3, |_| None);
+        assert!(matches!(a, Opened::Fuse { .. }));
+        // While it is open, a passthrough open would be refused by the kernel.
+        let b = t.open(3, |_| panic!("passthrough asked for a cached inode"));
+        assert!(matches!(b, Opened::Fuse { .. }));
+        t.release(fh(&a));
+        t.release(fh(&b));
+        // Once all are closed, passthrough is possible again.
+        assert!(matches!(t.open(3, make(&live)), Opened::Passthrough { .. }));
+        // And while that is open, even a plain FUSE-only file keeps its own inode's mode.
+        assert!(matches!(t.open(4, |_| None), Opened::Fuse { .. }));
+    }
+
+    #[test]
+    fn handles_are_unique_and_released_once() {
+        let t: OpenTable<Id> = OpenTable::new(0);
+        let fhs: Vec<u64> = (0..100).map(|i| t.open_fuse(i % 3)).collect();
+        let mut sorted = fhs.clone();
+        sorted.sort();
+        sorted.dedup();
+        assert_eq!(sorted.len(), 100);
+        for f in &fhs {
+            assert!(t.release(*f).is_some());
+        }
+        assert!(t.release(fhs[0]).is_none(), "released twice");
+        assert_eq!(t.open_handles(), (0, 0));
+    }
+}
