@@ -140,7 +140,12 @@ pub fn fuse_config(sealed: &Path, options: &[String], threads: usize) -> Result<
 /// Half of the machine's memory.
 fn default_passthrough_memory() -> u64 {
     // SAFETY: sysconf with valid names.
-    let (pages, page) = unsafe { (libc::sysconf(libc::_SC_PHYS_PAGES), libc::sysconf(libc::_SC_PAGESIZE)) };
+    let (pages, page) = unsafe {
+        (
+            libc::sysconf(libc::_SC_PHYS_PAGES),
+            libc::sysconf(libc::_SC_PAGESIZE),
+        )
+    };
     (pages.max(0) as u64 * page.max(0) as u64) / 2
 }
 
@@ -227,10 +232,11 @@ fn start_session(
             .map_err(|e| Error::new(format!("cannot handle signals ({e})")))?;
     let cfg = fuse_config(&args.sealed, &args.options, args.threads)?;
     let mode = Arc::new(prepared.mode);
-    let fs = KllmFs::new(Arc::new(prepared.view), mode, args.cache_size).on_destroy(Box::new(|| {
-        log::info!("session ended; exiting");
-        std::process::exit(0)
-    }));
+    let fs =
+        KllmFs::new(Arc::new(prepared.view), mode, args.cache_size).on_destroy(Box::new(|| {
+            log::info!("session ended; exiting");
+            std::process::exit(0)
+        }));
     let mut session = Session::new(fs, &args.mountpoint, &cfg).map_err(|e| {
         let hint = if e.kind() == std::io::ErrorKind::NotFound {
             " (is fuse3 installed? fusermount3 was not found)"

@@ -5,8 +5,8 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use fuser::{
-    BackingId, Errno, FileAttr, FileHandle, FileType, Filesystem, FopenFlags, Generation,
-    INodeNo, InitFlags, KernelConfig, LockOwner, OpenAccMode, OpenFlags, ReplyAttr, ReplyData,
+    BackingId, Errno, FileAttr, FileHandle, FileType, Filesystem, FopenFlags, Generation, INodeNo,
+    InitFlags, KernelConfig, LockOwner, OpenAccMode, OpenFlags, ReplyAttr, ReplyData,
     ReplyDirectory, ReplyEmpty, ReplyEntry, ReplyOpen, ReplyStatfs, ReplyXattr, Request,
 };
 
@@ -96,8 +96,9 @@ impl KllmFs {
                 memory,
             }),
             Err(e) if e.raw_os_error() == Some(libc::EPERM) => {
-                self.mode
-                    .turn_off(format!("the kernel refuses backing files to this process ({e})"));
+                self.mode.turn_off(format!(
+                    "the kernel refuses backing files to this process ({e})"
+                ));
                 None
             }
             Err(e) => {
@@ -186,7 +187,12 @@ impl Filesystem for KllmFs {
             // and this mount can still be the lower layer of an overlay.
             let offered = config
                 .add_capabilities(InitFlags::FUSE_PASSTHROUGH)
-                .and_then(|_| config.set_max_stack_depth(1).map(drop).map_err(|_| InitFlags::FUSE_PASSTHROUGH));
+                .and_then(|_| {
+                    config
+                        .set_max_stack_depth(1)
+                        .map(drop)
+                        .map_err(|_| InitFlags::FUSE_PASSTHROUGH)
+                });
             if offered.is_err() {
                 let why = "the kernel offers no FUSE passthrough (Linux 6.9+ with CONFIG_FUSE_PASSTHROUGH)";
                 if self.mode.requested() == Requested::Passthrough {

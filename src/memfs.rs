@@ -27,12 +27,11 @@ impl MemoryFs {
         use rustix::mount::{fsconfig_create, fsconfig_set_flag, fsconfig_set_string, fsmount};
         let fs = rustix::mount::fsopen("tmpfs", FsOpenFlags::FSOPEN_CLOEXEC)?;
         let set = |key: &str, value: &str| {
-            fsconfig_set_string(&fs, key, value).map_err(|e| {
-                io::Error::new(e.kind(), format!("tmpfs option {key}={value}: {e}"))
-            })
+            fsconfig_set_string(&fs, key, value)
+                .map_err(|e| io::Error::new(e.kind(), format!("tmpfs option {key}={value}: {e}")))
         };
-        // The kernel rounds the size to pages; at least one huge page.
-        set("size", &budget.max(2 << 20).to_string())?;
+        // The kernel rounds the size up to whole pages.
+        set("size", &budget.max(1).to_string())?;
         set("huge", "always")?;
         set("mode", "0700")?;
         fsconfig_set_flag(&fs, "noswap")

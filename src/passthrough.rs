@@ -313,7 +313,9 @@ mod tests {
         }
     }
 
-    fn make(live: &Arc<AtomicUsize>) -> impl FnOnce(Option<Arc<MemoryFile>>) -> Option<Backing<Id>> {
+    fn make(
+        live: &Arc<AtomicUsize>,
+    ) -> impl FnOnce(Option<Arc<MemoryFile>>) -> Option<Backing<Id>> {
         let live = live.clone();
         move |_| {
             live.fetch_add(1, Ordering::SeqCst);
@@ -345,9 +347,17 @@ mod tests {
         drop((a, b));
         assert_eq!(t.open_handles(), (2, 0));
         t.release(fa);
-        assert_eq!(live.load(Ordering::SeqCst), 1, "closed while a handle is open");
+        assert_eq!(
+            live.load(Ordering::SeqCst),
+            1,
+            "closed while a handle is open"
+        );
         t.release(fb);
-        assert_eq!(live.load(Ordering::SeqCst), 0, "backing kept after the last release");
+        assert_eq!(
+            live.load(Ordering::SeqCst),
+            0,
+            "backing kept after the last release"
+        );
         assert_eq!(t.open_handles(), (0, 0));
         // A later open makes a new one.
         let c = t.open(7, make(&live));

@@ -197,7 +197,32 @@ fn page_size() -> usize {
 }
 
 /// Everything test 1 asks of one mounted good vector.
-fn check_mounted_case(case: &Case, m: &Mnt, label: &str, seed: u64) {
+/// How `O_DIRECT` reads reach the file: exact ranges at the daemon (FUSE), or the
+/// backing file's aligned direct I/O (passthrough, where some files may be).
+#[derive(Clone, Copy, PartialEq)]
+enum Direct {
+    Exact,
+    Aligned,
+}
+
+impl Direct {
+    fn of(extra: &[&str]) -> Direct {
+        if extra.windows(2).any(|w| w == ["--mode", "fuse"]) {
+            Direct::Exact
+        } else {
+            Direct::Aligned
+        }
+    }
+
+    fn pread(self, f: &File, off: u64, len: usize) -> io::Result<Vec<u8>> {
+        match self {
+            Direct::Exact => pread(f, off, len),
+            Direct::Aligned => pread_direct_aligned(f, off, len),
+        }
+    }
+}
+
+fn check_mounted_case(case: &Case, m: &Mnt, label: &str, seed: u64, direct: Direct) {
     let files = expected_files(case);
     let ctx = |rel: &str| format!("{label} {}/{rel}", case.name);
 
@@ -229,7 +254,12 @@ fn check_mounted_case(case: &Case, m: &Mnt, label: &str, seed: u64) {
                     let i = rng.gen_range(0..files.len());
                     let f = &files[i];
                     let (off, len) = one_range(&mut rng, f.bytes.len() as u64, &f.bounds);
-                    let got = pread(&handles[i], off, len).unwrap_or_else(|e| {
+                    let read = if t % 2 == 0 {
+                        direct.pread(&handles[i], off, len)
+                    } else {
+                        pread(&handles[i], off, len)
+                    };
+                    let got = read.unwrap_or_else(|e| {
                         panic!("{} [{off}, +{len}) thread {t}: {e}", ctx(&f.rel))
                     });
                     assert!(
@@ -287,8 +317,13 @@ fn check_mounted_case(case: &Case, m: &Mnt, label: &str, seed: u64) {
             } else {
                 (&cached, "cached")
             };
-            let got = pread(fd, off, len)
-                .unwrap_or_else(|e| panic!("{} {how} pread [{off}, +{len}): {e}", ctx(&f.rel)));
+            let read = if i % 2 == 0 {
+                direct.pread(fd, off, len)
+            } else {
+                pread(fd, off, len)
+            };
+            let got =
+                read.unwrap_or_else(|e| panic!("{} {how} pread [{off}, +{len}): {e}", ctx(&f.rel)));
             let want = slice(&f.bytes, off, len);
             if got != want {
                 let at = got.iter().zip(want).position(|(a, b)| a != b);
@@ -314,7 +349,7 @@ fn every_good_vector(extra: &[&str], label: &str, seed: u64) {
     let t0 = Instant::now();
     for case in cases().iter().filter(|c| c.ok()) {
         let m = mount_case(case, extra);
-        check_mounted_case(case, &m, label, seed);
+        check_mounted_case(case, &m, label, seed, Direct::of(extra));
     }
     eprintln!("{label}: all good vectors in {:?}", t0.elapsed());
 }
@@ -324,18 +359,54 @@ fn every_good_vector(extra: &[&str], label: &str, seed: u64) {
 // ---------------------------------------------------------------------------------------
 
 #[test]
-fn good_vectors_default_cache() {
-    every_good_vector(&[], "default cache", 1);
+fn good_vectors_default_mode() {
+    every_good_vector(&[], "default mode", 1);
 }
 
 #[test]
-fn good_vectors_cache_64k() {
-    every_good_vector(&["--cache-size", "64K"], "--cache-size 64K", 2);
+fn good_vectors_fuse_cache_64k() {
+    every_good_vector(
+        &["--mode", "fuse", "--cache-size", "64K"],
+        "--mode fuse --cache-size 64K",
+        2,
+    );
 }
 
 #[test]
-fn good_vectors_cache_0() {
-    every_good_vector(&["--cache-size", "0"], "--cache-size 0", 3);
+fn good_vectors_fuse_cache_0() {
+    every_good_vector(
+        &["--mode", "fuse", "--cache-size", "0"],
+        "--mode fuse --cache-size 0",
+        3,
+    );
+}
+
+#[test]
+fn good_vectors_forced_passthrough() {
+    every_good_vector(&["--mode", "passthrough"], "--mode passthrough", 4);
+}
+
+#[test]
+fn good_vectors_forced_fuse() {
+    every_good_vector(&["--mode", "fuse"], "--mode fuse", 5);
+}
+
+#[test]
+fn good_vectors_passthrough_over_budget() {
+    // Every shard larger than the budget falls back to FUSE while the small ones stay in
+    // passthrough: both kinds of open side by side, on the same mount.
+    every_good_vector(
+        &[
+            "--mode",
+            "passthrough",
+            "--passthrough-memory",
+            "64K",
+            "--cache-size",
+            "0",
+        ],
+        "--passthrough-memory 64K",
+        6,
+    );
 }
 
 /// The mount's readahead window in KiB, from its backing device's sysfs knob.
@@ -361,18 +432,19 @@ fn readahead_window_is_set_as_asked() {
         return;
     }
     let case = cases().into_iter().find(|c| c.ok()).unwrap();
-    let m = mount_case(&case, &[]);
+    // The window matters to reads through the daemon.
+    let m = mount_case(&case, &["--mode", "fuse"]);
     assert_eq!(read_ahead_kb(&m), 4096, "default --readahead 4M");
     drop(m);
-    let m = mount_case(&case, &["--readahead", "2M"]);
+    let m = mount_case(&case, &["--mode", "fuse", "--readahead", "2M"]);
     assert_eq!(read_ahead_kb(&m), 2048);
     drop(m);
-    let m = mount_case(&case, &["--readahead", "0"]);
+    let m = mount_case(&case, &["--mode", "fuse", "--readahead", "0"]);
     assert!(
         read_ahead_kb(&m) < 2048,
         "--readahead 0 keeps the kernel's window"
     );
-    check_mounted_case(&case, &m, "--readahead 0", 4);
+    check_mounted_case(&case, &m, "--readahead 0", 4, Direct::Exact);
 }
 
 // ---------------------------------------------------------------------------------------
@@ -919,11 +991,11 @@ fn foreground_ends_cleanly_on_sigint() {
     foreground_ends_on(libc::SIGINT);
 }
 
-/// SIGTERM to the daemon while 4 threads read in a loop from files they hold open: every
-/// reader gets an error within seconds (none hangs, none sees wrong bytes) and the daemon
-/// exits 0. Returns the mount, for the caller to look at what is left.
+/// SIGTERM to the daemon while 4 threads read through FUSE in a loop from files they hold
+/// open: every reader gets an error within seconds (none hangs, none sees wrong bytes) and
+/// the daemon exits 0. Returns the mount, for the caller to look at what is left.
 fn sigterm_while_reading(c: &Case) -> Mnt {
-    let m = mount_case(c, &["--cache-size", "0"]);
+    let m = mount_case(c, &["--mode", "fuse", "--cache-size", "0"]);
     let pid = m.daemon();
     let files = Arc::new(expected_files(c));
     let stop = Arc::new(AtomicBool::new(false));

@@ -383,6 +383,29 @@ pub fn pread(f: &File, off: u64, len: usize) -> io::Result<Vec<u8>> {
     Ok(buf)
 }
 
+/// `pread` through an `O_DIRECT` descriptor of a file served by passthrough, which follows
+/// its backing file system's rules: offset, length and buffer aligned to 4 KiB. Reads the
+/// aligned span around `[off, off + len)` and returns that range of it.
+pub fn pread_direct_aligned(f: &File, off: u64, len: usize) -> io::Result<Vec<u8>> {
+    const ALIGN: u64 = 4096;
+    let start = off / ALIGN * ALIGN;
+    let end = (off + len as u64).div_ceil(ALIGN) * ALIGN;
+    let span = (end - start).max(ALIGN) as usize;
+    let mut buf = memmap2::MmapMut::map_anon(span)?;
+    let mut got = 0;
+    while got < span {
+        match f.read_at(&mut buf[got..], start + got as u64) {
+            Ok(0) => break,
+            Ok(n) => got += n,
+            Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
+            Err(e) => return Err(e),
+        }
+    }
+    let lo = ((off - start) as usize).min(got);
+    let hi = (lo + len).min(got);
+    Ok(buf[lo..hi].to_vec())
+}
+
 /// The errno of a call that must fail; panics if it succeeded or failed without one.
 pub fn errno_of<T: std::fmt::Debug>(r: io::Result<T>, what: &str) -> i32 {
     match r {
