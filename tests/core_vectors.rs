@@ -1,4 +1,6 @@
-//! The kernel-free core against every shared vector: the whole view, and random ranges.
+//! The kernel-free core against every case: the checked-in fixtures (tests/fixtures), then
+//! the extra suite when there is one (`KLLM_VECTORS`, or ../shared/vectors): the whole view,
+//! and random ranges.
 
 mod common;
 
