@@ -1,4 +1,6 @@
-//! The kernel-free core against every shared vector: the whole view, and random ranges.
+//! The kernel-free core against every case: the checked-in fixtures (tests/fixtures), then
+//! the extra suite when there is one (`KLLM_VECTORS`, or ../shared/vectors): the whole view,
+//! and random ranges.
 
 mod common;
 
@@ -127,5 +129,36 @@ fn bad_vectors_are_refused_with_their_words() {
             );
         }
         let _ = Path::new(&case.name);
+    }
+}
+
+/// The lock flag of a sealed case: config.json's `kllm.lock`, or kllm.json's `lock`.
+fn lock_flag(case: &Case) -> Option<String> {
+    let read = |name: &str| -> Option<serde_json::Value> {
+        let text = std::fs::read_to_string(case.sealed().join(name)).ok()?;
+        serde_json::from_str(&text).ok()
+    };
+    let flag = match read("kllm.json") {
+        Some(meta) => meta["lock"].clone(),
+        None => read("config.json")?["kllm"]["lock"].clone(),
+    };
+    flag.as_str().map(str::to_owned)
+}
+
+#[test]
+fn fixtures_cover_both_lock_versions_llms_and_pipelines() {
+    // Trimming the fixtures must not quietly drop what the tests above exist to cover.
+    let good: Vec<Case> = fixture_cases().into_iter().filter(|c| c.ok()).collect();
+    for (version, pipeline) in [("v1", false), ("v2", false), ("v2", true)] {
+        assert!(
+            good.iter().any(|c| lock_flag(c).as_deref() == Some(version)
+                && c.sealed().join("kllm.json").is_file() == pipeline),
+            "no fixture {} locked with {version}",
+            if pipeline { "pipeline" } else { "LLM" }
+        );
+    }
+    for name in ["kllm_v1", "kllm_v2"] {
+        let flag = lock_flag(&case(name));
+        assert_eq!(flag.as_deref(), Some(&name[5..]), "{name}: lock flag");
     }
 }

@@ -5,18 +5,55 @@ use std::path::{Path, PathBuf};
 
 use serde_json::Value;
 
-pub fn vectors_dir() -> PathBuf {
-    let here = Path::new(env!("CARGO_MANIFEST_DIR"));
-    let dir = std::env::var_os("KLLM_VECTORS")
-        .map(PathBuf::from)
-        .unwrap_or_else(|| here.join("../shared/vectors"));
-    assert!(
-        dir.is_dir(),
-        "test vectors not found at {} (set KLLM_VECTORS)",
-        dir.display()
-    );
-    dir
+/// The checked-in cases every clone has (tests/fixtures/README.md says how each was made).
+pub fn fixtures_dir() -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures")
 }
+
+/// Kept for callers from before the fixtures were checked in: the default suite.
+pub fn vectors_dir() -> PathBuf {
+    fixtures_dir()
+}
+
+/// The fixture cases the tests name or rely on; a fixture set without one of them is broken.
+pub const FIXTURE_CASES: [&str; 12] = [
+    "bad_blob_flip",
+    "bad_lock_version",
+    "bad_unsealed",
+    "bad_wrong_key",
+    "kllm_v1",
+    "kllm_v2",
+    "llm_edge_v2",
+    "llm_passphrase",
+    "llm_v1",
+    "llm_v2",
+    "pipe_h3",
+    "pipe_zimage_client",
+];
+
+/// An optional second suite in the same layout: `KLLM_VECTORS=DIR` (which must exist, since
+/// someone asked for it), else `../shared/vectors` beside the clone when there is one. A clone
+/// with nothing beside it runs the fixtures alone.
+pub fn extra_vectors_dir() -> Option<PathBuf> {
+    match std::env::var_os("KLLM_VECTORS") {
+        Some(dir) if !dir.is_empty() => {
+            let dir = PathBuf::from(dir);
+            assert!(
+                dir.is_dir(),
+                "KLLM_VECTORS={} is not a directory",
+                dir.display()
+            );
+            Some(dir)
+        }
+        _ => {
+            let sibling = Path::new(env!("CARGO_MANIFEST_DIR")).join("../shared/vectors");
+            sibling.is_dir().then_some(sibling)
+        }
+    }
+}
+
+/// The prefix of the names of extra-suite cases, so a failure says which suite it came from.
+pub const EXTRA_PREFIX: &str = "extra:";
 
 pub struct Case {
     pub name: String,
@@ -49,23 +86,66 @@ impl Case {
     }
 }
 
-pub fn cases() -> Vec<Case> {
-    let mut out: Vec<Case> = std::fs::read_dir(vectors_dir())
-        .unwrap()
+fn read_cases(dir: &Path, prefix: &str) -> Vec<Case> {
+    let mut out: Vec<Case> = std::fs::read_dir(dir)
+        .unwrap_or_else(|e| panic!("{}: {e}", dir.display()))
         .filter_map(|e| e.ok())
         .filter(|e| e.path().join("expect.json").is_file())
-        .map(|e| Case {
-            name: e.file_name().to_string_lossy().into_owned(),
-            dir: e.path(),
-            expect: serde_json::from_str(
-                &std::fs::read_to_string(e.path().join("expect.json")).unwrap(),
-            )
-            .unwrap(),
+        .map(|e| {
+            let expect = e.path().join("expect.json");
+            Case {
+                name: format!("{prefix}{}", e.file_name().to_string_lossy()),
+                dir: e.path(),
+                expect: serde_json::from_str(&std::fs::read_to_string(&expect).unwrap())
+                    .unwrap_or_else(|err| panic!("{}: {err}", expect.display())),
+            }
         })
         .collect();
     out.sort_by(|a, b| a.name.cmp(&b.name));
-    assert!(out.len() >= 10, "expected the ten shared vectors");
     out
+}
+
+/// The checked-in fixtures (named by their folder), then the extra suite when there is one
+/// (named `extra:<folder>`).
+pub fn cases() -> Vec<Case> {
+    let mut out = fixture_cases();
+    out.extend(extra_cases());
+    out
+}
+
+pub fn fixture_cases() -> Vec<Case> {
+    let out = read_cases(&fixtures_dir(), "");
+    let names: Vec<&str> = out.iter().map(|c| c.name.as_str()).collect();
+    for want in FIXTURE_CASES {
+        assert!(
+            names.contains(&want),
+            "tests/fixtures lacks the case {want} (scripts/fixtures makes the kLLM ones)"
+        );
+    }
+    out
+}
+
+/// The extra suite's cases; none when there is no extra suite. One that is present but holds
+/// no case is an error: an empty directory would otherwise pass every test.
+pub fn extra_cases() -> Vec<Case> {
+    let Some(dir) = extra_vectors_dir() else {
+        return Vec::new();
+    };
+    let out = read_cases(&dir, EXTRA_PREFIX);
+    assert!(
+        !out.is_empty(),
+        "no cases (folders with expect.json) in {}",
+        dir.display()
+    );
+    out
+}
+
+/// A fixture case by its folder name.
+pub fn case(name: &str) -> Case {
+    fixture_cases()
+        .into_iter()
+        .find(|c| c.name == name)
+        .unwrap_or_else(|| panic!("no fixture case {name}"))
 }
 
 /// Every regular file under `root`, by relative path.
