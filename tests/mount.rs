@@ -222,7 +222,7 @@ impl Direct {
     }
 }
 
-fn check_mounted_case(case: &Case, m: &Mnt, label: &str, seed: u64, direct: Direct) {
+fn check_mounted_case(case: &Case, m: &Mnt, label: &str, seed: u64, direct_io: Direct) {
     let files = expected_files(case);
     let ctx = |rel: &str| format!("{label} {}/{rel}", case.name);
 
@@ -255,7 +255,7 @@ fn check_mounted_case(case: &Case, m: &Mnt, label: &str, seed: u64, direct: Dire
                     let f = &files[i];
                     let (off, len) = one_range(&mut rng, f.bytes.len() as u64, &f.bounds);
                     let read = if t % 2 == 0 {
-                        direct.pread(&handles[i], off, len)
+                        direct_io.pread(&handles[i], off, len)
                     } else {
                         pread(&handles[i], off, len)
                     };
@@ -318,7 +318,7 @@ fn check_mounted_case(case: &Case, m: &Mnt, label: &str, seed: u64, direct: Dire
                 (&cached, "cached")
             };
             let read = if i % 2 == 0 {
-                direct.pread(fd, off, len)
+                direct_io.pread(fd, off, len)
             } else {
                 pread(fd, off, len)
             };

@@ -126,7 +126,11 @@ fn one_decode_for_many_readers_shared_across_processes() {
     let m = Mnt::new();
     let log = m.scratch().join("log");
     s.mount(&m, &log, &["--mode", "passthrough", "--cache-size", "0"]);
-    assert!(mode_line(&log).contains("passthrough mode"), "{}", mode_line(&log));
+    assert!(
+        mode_line(&log).contains("passthrough mode"),
+        "{}",
+        mode_line(&log)
+    );
     let want = m.scratch().join("want");
     fs::write(&want, s.bytes(BIG)).unwrap();
 
@@ -212,7 +216,10 @@ fn over_budget_opens_fall_back_to_fuse() {
     s.assert_view(&m, "--passthrough-memory 1M");
     assert_eq!(decodes_of(&log, SMALL), 1, "the small shard fits");
     assert_eq!(decodes_of(&log, BIG), 0);
-    let full = log_lines(&log, &format!("{BIG}: the passthrough memory budget is full"));
+    let full = log_lines(
+        &log,
+        &format!("{BIG}: the passthrough memory budget is full"),
+    );
     assert!(!full.is_empty(), "no fallback line");
     // While the big shard is open through FUSE, more opens of it stay there and read right.
     let a = File::open(m.path(BIG)).unwrap();
@@ -255,13 +262,17 @@ fn without_root_passthrough_falls_back_or_is_refused() {
 
     // Forced: refused before mounting, one line saying why.
     let mut c = m.cmd(&s.sealed());
-    c.arg("--key").arg(s.key_file()).args(["--mode", "passthrough"]);
+    c.arg("--key")
+        .arg(s.key_file())
+        .args(["--mode", "passthrough"]);
     let out = as_nobody(c);
     let err = stderr_of(&out);
     assert_eq!(out.status.code(), Some(1), "{err}");
     assert_eq!(err.lines().count(), 1, "{err}");
     assert!(
-        err.starts_with("kllm-mount: --mode passthrough is not possible here: backing files need root"),
+        err.starts_with(
+            "kllm-mount: --mode passthrough is not possible here: backing files need root"
+        ),
         "{err}"
     );
     assert!(!is_mounted(&m.mp));
@@ -354,8 +365,11 @@ fn fds_of(pid: i32) -> Vec<Fd> {
         let Ok(target) = fs::read_link(e.path()) else {
             continue;
         };
-        let info = fs::read_to_string(format!("/proc/{pid}/fdinfo/{}", e.file_name().to_string_lossy()))
-            .unwrap_or_default();
+        let info = fs::read_to_string(format!(
+            "/proc/{pid}/fdinfo/{}",
+            e.file_name().to_string_lossy()
+        ))
+        .unwrap_or_default();
         let flags = info
             .lines()
             .find_map(|l| l.strip_prefix("flags:"))
@@ -387,7 +401,10 @@ fn decoded_bytes_live_only_in_private_memory() {
     let m = Mnt::new();
     let log = m.scratch().join("log");
     let pid = s.mount(&m, &log, &["--mode", "passthrough", "--cache-size", "64M"]);
-    let held: Vec<File> = [BIG, SMALL].iter().map(|r| File::open(m.path(r)).unwrap()).collect();
+    let held: Vec<File> = [BIG, SMALL]
+        .iter()
+        .map(|r| File::open(m.path(r)).unwrap())
+        .collect();
     s.assert_view(&m, "passthrough");
     let sealed = fs::canonicalize(s.sealed()).unwrap();
     let log_path = fs::canonicalize(&log).unwrap();
@@ -395,11 +412,19 @@ fn decoded_bytes_live_only_in_private_memory() {
     for fd in fds_of(pid) {
         let writable = fd.flags & libc::O_ACCMODE as u32 != libc::O_RDONLY as u32;
         if fd.target.starts_with(sealed.to_str().unwrap()) {
-            assert!(!writable, "a sealed file is open for writing: {}", fd.target);
+            assert!(
+                !writable,
+                "a sealed file is open for writing: {}",
+                fd.target
+            );
         } else if fd.fs_type == TMPFS_MAGIC && !fd.target.starts_with("/dev") {
             // Decoded copies: nameless files on the daemon's own tmpfs, read-only.
             assert!(!writable, "decoded memory open for writing: {}", fd.target);
-            assert!(fd.target.ends_with("(deleted)"), "a named file: {}", fd.target);
+            assert!(
+                fd.target.ends_with("(deleted)"),
+                "a named file: {}",
+                fd.target
+            );
             memory_files += 1;
         } else if writable {
             let allowed = fd.target == log_path.to_str().unwrap()
