@@ -305,12 +305,12 @@ impl Manifest {
                     out.push(format!("{prefix}{}", entry.file_name().to_string_lossy()));
                     continue;
                 };
+                if name == ".cache" {
+                    continue;
+                }
                 let rel = format!("{prefix}{name}");
-                let kind = entry.file_type()?;
-                if kind.is_dir() {
-                    if name != ".cache" {
-                        stack.push((entry.path(), format!("{rel}/")));
-                    }
+                if entry.file_type()?.is_dir() {
+                    stack.push((entry.path(), format!("{rel}/")));
                 } else if std::fs::metadata(entry.path()).is_ok_and(|m| m.is_file())
                     && name != FILE_NAME
                     && !self.files.contains_key(&rel)
@@ -496,8 +496,8 @@ impl Mismatch {
     }
 }
 
-impl From<Mismatch> for Error {
-    fn from(m: Mismatch) -> Error {
+impl From<Box<Mismatch>> for Error {
+    fn from(m: Box<Mismatch>) -> Error {
         m.to_error()
     }
 }
@@ -510,7 +510,7 @@ pub fn verify_all(
     checks: &[FileCheck],
     threads: usize,
     progress: Option<&(dyn Fn(u64, u64) + Sync)>,
-) -> std::result::Result<(), Mismatch> {
+) -> std::result::Result<(), Box<Mismatch>> {
     let sizes: Vec<Option<u64>> = checks
         .iter()
         .map(|c| std::fs::metadata(&c.path).ok().map(|m| m.len()))
@@ -559,13 +559,13 @@ pub fn verify_all(
         None => Ok(()),
         Some((index, problem)) => {
             let c = &checks[index];
-            Err(Mismatch {
+            Err(Box::new(Mismatch {
                 index,
                 rel: c.rel.clone(),
                 path: c.path.clone(),
                 want: c.want,
                 problem,
-            })
+            }))
         }
     }
 }
@@ -890,6 +890,7 @@ mod tests {
         std::fs::write(tmp.path().join(FILE_NAME), b"{}").unwrap();
         std::fs::create_dir_all(tmp.path().join(".cache/x")).unwrap();
         std::fs::write(tmp.path().join(".cache/x/y"), b"").unwrap();
+        std::fs::write(tmp.path().join("sub/.cache"), b"").unwrap();
         std::fs::write(tmp.path().join("sub/extra"), b"").unwrap();
         std::os::unix::fs::symlink("a", tmp.path().join("link")).unwrap();
         std::os::unix::fs::symlink("sub", tmp.path().join("dirlink")).unwrap();

@@ -744,7 +744,7 @@ mod tests {
         stats.cache_bytes.store(77, Relaxed);
         stats.verified_files.fetch_add(3, Relaxed);
 
-        let v = query_in(&[s.dir.clone()], &s.mnt).unwrap();
+        let v = query_in(std::slice::from_ref(&s.dir), &s.mnt).unwrap();
         assert_eq!(v["mode"], "decode");
         assert_eq!(
             v["mounted_at"],
@@ -795,7 +795,7 @@ mod tests {
         assert_eq!(text.matches('\n').count(), 1);
         assert!(text.ends_with("}\n"));
 
-        let m = metrics_in(&[s.dir.clone()], &s.mnt).unwrap();
+        let m = metrics_in(std::slice::from_ref(&s.dir), &s.mnt).unwrap();
         assert!(
             m.contains("kllm_mount_served_bytes_total{mountpoint=\""),
             "{m}"
@@ -805,7 +805,9 @@ mod tests {
 
         drop(server);
         assert!(!socket.exists());
-        let e = query_in(&[s.dir.clone()], &s.mnt).unwrap_err().to_string();
+        let e = query_in(std::slice::from_ref(&s.dir), &s.mnt)
+            .unwrap_err()
+            .to_string();
         assert!(
             e.ends_with("no kllm-mount daemon answers for this mount point"),
             "{e}"
@@ -858,17 +860,19 @@ mod tests {
         let e = start(&s, &Stats::new()).err().unwrap().to_string();
         assert!(e.contains("another kllm-mount daemon answers"), "{e}");
         // The refused start must not have removed the live socket.
-        query_in(&[s.dir.clone()], &s.mnt).unwrap();
+        query_in(std::slice::from_ref(&s.dir), &s.mnt).unwrap();
         let socket = first.socket_path().to_path_buf();
         drop(first);
         // A daemon killed without cleanup leaves a bound socket nobody listens on.
         drop(UnixListener::bind(&socket).unwrap());
         assert!(socket.exists());
-        let e = query_in(&[s.dir.clone()], &s.mnt).unwrap_err().to_string();
+        let e = query_in(std::slice::from_ref(&s.dir), &s.mnt)
+            .unwrap_err()
+            .to_string();
         assert!(e.contains("no kllm-mount daemon answers"), "{e}");
         let second = start(&s, &Stats::new()).unwrap();
         assert_eq!(second.socket_path(), socket);
-        query_in(&[s.dir.clone()], &s.mnt).unwrap();
+        query_in(std::slice::from_ref(&s.dir), &s.mnt).unwrap();
         drop(second);
         // A regular file where the socket goes is not ours to delete.
         std::fs::write(&socket, b"").unwrap();
@@ -889,7 +893,7 @@ mod tests {
         let idle = UnixStream::connect(&socket).unwrap();
         idle.shutdown(std::net::Shutdown::Write).unwrap();
         let t = std::time::Instant::now();
-        let v = query_in(&[s.dir.clone()], &s.mnt).unwrap();
+        let v = query_in(std::slice::from_ref(&s.dir), &s.mnt).unwrap();
         assert_eq!(v["padding"].as_str().unwrap().len(), 900 << 10);
         assert!(t.elapsed() < Duration::from_secs(4), "{:?}", t.elapsed());
         drop(idle);
@@ -917,7 +921,7 @@ mod tests {
             code, 0,
             "uid 65534 got an answer (code 1) or no connection (2)"
         );
-        query_in(&[s.dir.clone()], &s.mnt).unwrap();
+        query_in(std::slice::from_ref(&s.dir), &s.mnt).unwrap();
     }
 
     /// Exit code of a child that drops to `uid`, connects and reads: 0 closed without a
