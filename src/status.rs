@@ -362,6 +362,7 @@ impl StatusServer {
         let socket = dir.join(socket_name(&mounted_at)?);
         claim_socket_path(&socket, &mounted_at)?;
         let listener = UnixListener::bind(&socket)
+            .and_then(|l| l.set_nonblocking(true).map(|()| l))
             .map_err(|e| Error::at(&socket, format!("cannot listen: {e}")))?;
         std::fs::set_permissions(&socket, std::fs::Permissions::from_mode(0o600))
             .map_err(|e| Error::at(&socket, e))?;
@@ -463,10 +464,16 @@ fn serve(listener: UnixListener, wake: UnixStream, id: Identity, stats: Arc<Stat
         }
         match listener.accept() {
             Ok((stream, _)) => {
-                if let Err(e) = answer(stream, &id, &stats, &extra) {
+                // The listener is non-blocking (a client gone between poll and accept must
+                // not park the thread); the answer wants blocking I/O with timeouts.
+                if let Err(e) = stream
+                    .set_nonblocking(false)
+                    .and_then(|()| answer(stream, &id, &stats, &extra))
+                {
                     log::debug!("status socket: {e}");
                 }
             }
+            Err(e) if e.kind() == io::ErrorKind::WouldBlock => {}
             Err(e) => log::debug!("status socket: accept: {e}"),
         }
     }
