@@ -107,11 +107,8 @@ impl<'de> Deserialize<'de> for Files {
 impl Manifest {
     /// Reads and validates the manifest at `path` (at most [`MAX_BYTES`]).
     pub fn load(path: &Path) -> Result<Manifest> {
-        let file = File::open(path).map_err(|e| Error::at(path, e))?;
+        let file = open_regular(path).map_err(|e| Error::at(path, e))?;
         let meta = file.metadata().map_err(|e| Error::at(path, e))?;
-        if !meta.is_file() {
-            return Err(Error::at(path, "not a regular file"));
-        }
         if meta.len() > MAX_BYTES {
             return Err(Error::at(
                 path,
@@ -369,6 +366,20 @@ fn parse_digest(s: &str) -> Option<[u8; 32]> {
     Some(out)
 }
 
+/// Opens a regular file for reading; anything else is refused without blocking (opening a
+/// FIFO would wait for a writer).
+pub fn open_regular(path: &Path) -> io::Result<File> {
+    use std::os::unix::fs::OpenOptionsExt;
+    let file = std::fs::OpenOptions::new()
+        .read(true)
+        .custom_flags(libc::O_NONBLOCK | libc::O_NOCTTY)
+        .open(path)?;
+    if !file.metadata()?.is_file() {
+        return Err(io::Error::other("not a regular file"));
+    }
+    Ok(file)
+}
+
 /// Reads `buf.len()` bytes at `offset`, or fewer at the end of the file.
 fn read_full_at(file: &File, buf: &mut [u8], offset: u64) -> io::Result<usize> {
     let mut done = 0;
@@ -528,12 +539,7 @@ pub fn verify_all(
         if index > first_bad.load(Ordering::Relaxed) {
             return None;
         }
-        let result = File::open(&check.path).and_then(|f| {
-            if !f.metadata()?.is_file() {
-                return Err(io::Error::other("not a regular file"));
-            }
-            sha256_file_counting(&f, &count)
-        });
+        let result = open_regular(&check.path).and_then(|f| sha256_file_counting(&f, &count));
         let problem = match result {
             Ok(got) if got == check.want => return None,
             Ok(got) => Problem::Altered { got },
@@ -774,10 +780,11 @@ mod tests {
         let e = Manifest::load(&path).unwrap_err().to_string();
         assert!(e.contains("larger than any kLLM manifest"), "{e}");
         let e = Manifest::load(tmp.path()).unwrap_err().to_string();
-        assert!(
-            e.contains("not a regular file") || e.contains("directory"),
-            "{e}"
-        );
+        assert!(e.contains("not a regular file"), "{e}");
+        let fifo = tmp.path().join("fifo");
+        mkfifo(&fifo);
+        let e = Manifest::load(&fifo).unwrap_err().to_string();
+        assert!(e.contains("not a regular file"), "{e}");
     }
 
     #[test]
@@ -813,6 +820,12 @@ mod tests {
             assert_eq!(got, <[u8; 32]>::from(Sha256::digest(&data)), "len {len}");
             assert_eq!(counted.load(Ordering::Relaxed), len as u64);
         }
+    }
+
+    fn mkfifo(path: &Path) {
+        let c = std::ffi::CString::new(path.to_str().unwrap()).unwrap();
+        // SAFETY: a valid C string.
+        assert_eq!(unsafe { libc::mkfifo(c.as_ptr(), 0o600) }, 0);
     }
 
     fn write_dir(files: &[(&str, &[u8])]) -> (tempfile::TempDir, Vec<FileCheck>) {
@@ -872,6 +885,14 @@ mod tests {
                 "{e}"
             );
         }
+        mkfifo(&tmp.path().join("e"));
+        let m = verify_all(&checks[3..], 2, None).unwrap_err();
+        assert_eq!(m.rel, "e");
+        assert!(
+            m.to_error().to_string().contains("not a regular file"),
+            "{m:?}"
+        );
+        std::fs::remove_file(tmp.path().join("e")).unwrap();
         let m = verify_all(&checks[3..], 2, None).unwrap_err();
         assert_eq!(m.rel, "e");
         assert!(matches!(m.problem, Problem::Unreadable(_)), "{m:?}");
