@@ -9,9 +9,11 @@ pub use error::{Error, ReadError, Result};
 pub mod cache;
 pub mod cli;
 pub mod fuse;
+pub mod manifest;
 pub mod sealed;
 pub mod secmem;
 pub mod shard;
+pub mod status;
 #[cfg(feature = "seal")]
 pub mod testseal;
 pub mod view;
