@@ -218,6 +218,13 @@ pub fn check_relative(rel: &str) -> std::result::Result<(), &'static str> {
 
 /// Read, authenticate and unpack `trusted.kllm`.
 pub fn read(path: &Path, key: &ModelKey) -> Result<SecretFiles> {
+    let data = read_bytes(path)?;
+    let payload = open(path, &data, key)?;
+    secret_files(path, &payload)
+}
+
+/// The bytes of `trusted.kllm`, bounded before they are read.
+pub fn read_bytes(path: &Path) -> Result<Vec<u8>> {
     let meta = std::fs::metadata(path).map_err(|e| bad(path, format!("cannot be read ({e})")))?;
     // Bound memory before reading: the header's chunk size is checked in parse_header, and
     // a file far past 1 GiB holds no tokenizer.
@@ -227,9 +234,7 @@ pub fn read(path: &Path, key: &ModelKey) -> Result<SecretFiles> {
             "is larger than 4 GiB; refusing to decrypt it into memory",
         ));
     }
-    let data = std::fs::read(path).map_err(|e| bad(path, format!("cannot be read ({e})")))?;
-    let payload = open(path, &data, key)?;
-    secret_files(path, &payload)
+    std::fs::read(path).map_err(|e| bad(path, format!("cannot be read ({e})")))
 }
 
 /// Seal `payload` as kLLM does (used by the test sealer).

@@ -63,7 +63,8 @@ impl BlockCache {
         1 << (63 - b.leading_zeros())
     }
 
-    /// View bytes `[off, off + out.len())` of the locked shard `file`, through the cache.
+    /// View bytes `[off, off + out.len())` of the locked shard `file`, through the cache;
+    /// how many blocks were found in it and how many were decoded for it.
     ///
     /// A read that covers whole blocks decodes straight into `out`: the kernel keeps those
     /// pages (FOPEN_KEEP_CACHE), so caching them here too would only cost a copy. The cache
@@ -76,10 +77,11 @@ impl BlockCache {
         off: u64,
         out: &mut [u8],
         raw: &RawReader<'_>,
-    ) -> Result<(), ReadError> {
+    ) -> Result<(u64, u64), ReadError> {
         if !self.enabled() {
-            return shard.read(off, out, raw);
+            return shard.read(off, out, raw).map(|()| (0, 0));
         }
+        let (mut hits, mut misses) = (0, 0);
         let bs = self.block_size;
         let end = off + out.len() as u64;
         let mut pos = off;
@@ -99,14 +101,18 @@ impl BlockCache {
                 continue;
             }
             let data = match self.get(file, block) {
-                Some(d) => d,
+                Some(d) => {
+                    hits += 1;
+                    d
+                }
                 None => {
+                    misses += 1;
                     let mut buf = SecureBuf::new((b_end - b_start) as usize)?;
                     if let Err(e) = shard.read(b_start, &mut buf, raw) {
                         // A bad value elsewhere in the block must not fail this read: serve
                         // exactly the range asked for, which fails only if it holds one.
                         log::debug!("block {block} of file {file} not cached: {e}");
-                        return shard.read(off, out, raw);
+                        return shard.read(off, out, raw).map(|()| (hits, misses));
                     }
                     let d = Arc::new(buf);
                     self.insert(file, block, d.clone());
@@ -118,7 +124,7 @@ impl BlockCache {
                 .copy_from_slice(&data[(pos - b_start) as usize..(upto - b_start) as usize]);
             pos = upto;
         }
-        Ok(())
+        Ok((hits, misses))
     }
 
     /// Bytes held now (for tests and the RSS benchmark).

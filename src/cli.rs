@@ -14,7 +14,8 @@ use fuser::{Config, MountOption, Session, SessionACL};
 use crate::fuse::KllmFs;
 use crate::key;
 use crate::passthrough::{Requested, ServeMode};
-use crate::sealed::{self, Options};
+use crate::sealed::{self, Options, Verify};
+use crate::status::StatusServer;
 use crate::view::View;
 use crate::{Error, Result};
 
@@ -26,9 +27,17 @@ use crate::{Error, Result};
 )]
 pub struct Args {
     /// The sealed model directory.
-    pub sealed: PathBuf,
+    #[arg(required_unless_present = "status")]
+    sealed: Option<PathBuf>,
     /// Where to show the unlocked view (an existing directory).
-    pub mountpoint: PathBuf,
+    #[arg(required_unless_present = "status")]
+    mountpoint: Option<PathBuf>,
+    /// Print one JSON object about the daemon serving MOUNTPOINT, and exit.
+    #[arg(long, value_name = "MOUNTPOINT", conflicts_with_all = ["sealed", "mountpoint"])]
+    pub status: Option<PathBuf>,
+    /// With --status: the counters as Prometheus text instead.
+    #[arg(long, requires = "status")]
+    pub metrics: bool,
     /// kLLM key file (open or passphrase). Default: $KLLM_MODEL_KEY (64 hex digits), then
     /// <SEALED>/kllm.key, then ~/.kllm/keys/default.key.
     #[arg(long, value_name = "FILE")]
@@ -60,6 +69,16 @@ pub struct Args {
     /// served through FUSE. Default: half the machine's memory.
     #[arg(long, value_name = "SIZE", value_parser = parse_size)]
     pub passthrough_memory: Option<u64>,
+    /// When files are checked against the manifest (kllm-manifest.json): `open` hashes each
+    /// file before its first byte is served, `mount` hashes all before the mount answers.
+    #[arg(long, value_enum, value_name = "WHEN", default_value_t = Verify::Open)]
+    pub verify: Verify,
+    /// Check against this manifest instead of <SEALED>/kllm-manifest.json.
+    #[arg(long, value_name = "FILE")]
+    pub manifest: Option<PathBuf>,
+    /// Refuse to mount unless the manifest's SHA-256 is HEX (a value from a trusted source).
+    #[arg(long, value_name = "HEX")]
+    pub manifest_sha256: Option<String>,
     /// Append log lines to FILE (the daemon otherwise logs to syslog; -f logs to stderr).
     #[arg(long, value_name = "FILE")]
     pub log_file: Option<PathBuf>,
@@ -91,6 +110,17 @@ pub fn parse_size(text: &str) -> Result<u64, String> {
         .map_err(|_| format!("{text:?} is not a size (e.g. 512M, 2G)"))?;
     n.checked_mul(mult)
         .ok_or_else(|| format!("{text:?} is too large"))
+}
+
+impl Args {
+    /// The sealed directory (clap requires it unless --status is given).
+    pub fn sealed(&self) -> &Path {
+        self.sealed.as_deref().expect("SEALED is required")
+    }
+
+    pub fn mountpoint(&self) -> &Path {
+        self.mountpoint.as_deref().expect("MOUNTPOINT is required")
+    }
 }
 
 fn default_threads() -> usize {
@@ -158,7 +188,7 @@ pub struct Prepared {
 /// Everything that can fail before mounting: arguments, the seal, the key, the view, the
 /// serving mode.
 pub fn prepare(args: &Args) -> Result<Prepared> {
-    let mp = &args.mountpoint;
+    let mp = args.mountpoint();
     match std::fs::metadata(mp) {
         Ok(m) if m.is_dir() => {}
         Ok(_) => return Err(Error::at(mp, "mount point is not a directory")),
@@ -166,16 +196,17 @@ pub fn prepare(args: &Args) -> Result<Prepared> {
     }
     let (model_key, source) = key::resolve(
         args.key.as_deref(),
-        &args.sealed,
+        args.sealed(),
         &key::passphrase_from_env_or_prompt,
     )?;
     scrub_env(&[key::KEY_ENV, key::PASSPHRASE_ENV]);
-    let view = sealed::open(
-        &args.sealed,
-        &model_key,
-        &source,
-        &Options::with_cache(args.cache_size),
-    )?;
+    let opts = Options {
+        verify: args.verify,
+        manifest: args.manifest.clone(),
+        manifest_sha256: args.manifest_sha256.clone(),
+        ..Options::with_cache(args.cache_size)
+    };
+    let view = sealed::open(args.sealed(), &model_key, &source, &opts)?;
     let memory = args
         .passthrough_memory
         .unwrap_or_else(default_passthrough_memory);
@@ -192,7 +223,9 @@ enum Event {
 /// or with the error that stopped it.
 pub fn serve(args: &Args, prepared: Prepared, ready: impl FnOnce(Result<()>)) -> Result<()> {
     let (tx, rx) = mpsc::channel();
-    let mut unmounter = match start_session(args, prepared, tx) {
+    let view = Arc::new(prepared.view);
+    let mode = Arc::new(prepared.mode);
+    let mut unmounter = match start_session(args, view.clone(), mode.clone(), tx) {
         Ok(u) => u,
         Err(e) => {
             ready(Err(e.clone()));
@@ -200,50 +233,50 @@ pub fn serve(args: &Args, prepared: Prepared, ready: impl FnOnce(Result<()>)) ->
         }
     };
     // The handshake is done; a stat through the kernel proves the mount answers.
-    if let Err(e) = std::fs::metadata(&args.mountpoint) {
+    if let Err(e) = std::fs::metadata(args.mountpoint()) {
         let err = Error::at(
-            &args.mountpoint,
+            args.mountpoint(),
             format!("mounted but does not answer ({e})"),
         );
         let _ = unmounter.unmount();
         ready(Err(err.clone()));
         return Err(err);
     }
-    raise_readahead(&args.mountpoint, args.readahead);
+    raise_readahead(args.mountpoint(), args.readahead);
+    let _status = start_status(args, view, mode);
     ready(Ok(()));
     log::info!(
         "mounted {} at {}",
-        args.sealed.display(),
-        args.mountpoint.display()
+        args.sealed().display(),
+        args.mountpoint().display()
     );
-    wait_for_end(&args.mountpoint, &rx, unmounter)
+    wait_for_end(args.mountpoint(), &rx, unmounter)
 }
 
 /// Catch signals, mount, and run the session and the signal watcher on threads of their
 /// own that report to `events`.
 fn start_session(
     args: &Args,
-    prepared: Prepared,
+    view: Arc<View>,
+    mode: Arc<ServeMode>,
     events: mpsc::Sender<Event>,
 ) -> Result<fuser::SessionUnmounter> {
     // Signals are caught before mounting, so none can end the process with the mount left.
     let mut signals =
         signal_hook::iterator::Signals::new([libc::SIGTERM, libc::SIGINT, libc::SIGHUP])
             .map_err(|e| Error::new(format!("cannot handle signals ({e})")))?;
-    let cfg = fuse_config(&args.sealed, &args.options, args.threads)?;
-    let mode = Arc::new(prepared.mode);
-    let fs =
-        KllmFs::new(Arc::new(prepared.view), mode, args.cache_size).on_destroy(Box::new(|| {
-            log::info!("session ended; exiting");
-            std::process::exit(0)
-        }));
-    let mut session = Session::new(fs, &args.mountpoint, &cfg).map_err(|e| {
+    let cfg = fuse_config(args.sealed(), &args.options, args.threads)?;
+    let fs = KllmFs::new(view, mode, args.cache_size).on_destroy(Box::new(|| {
+        log::info!("session ended; exiting");
+        std::process::exit(0)
+    }));
+    let mut session = Session::new(fs, args.mountpoint(), &cfg).map_err(|e| {
         let hint = if e.kind() == std::io::ErrorKind::NotFound {
             " (is fuse3 installed? fusermount3 was not found)"
         } else {
             ""
         };
-        Error::at(&args.mountpoint, format!("cannot mount ({e}){hint}"))
+        Error::at(args.mountpoint(), format!("cannot mount ({e}){hint}"))
     })?;
     let unmounter = session.unmount_callable();
     let ended = events.clone();
@@ -256,6 +289,38 @@ fn start_session(
         }
     })?;
     Ok(unmounter)
+}
+
+/// The status socket (`kllm-mount --status`), its gauges read at each request. A mount
+/// without one still serves: the socket is for watching, not for reading the model.
+fn start_status(args: &Args, view: Arc<View>, mode: Arc<ServeMode>) -> Option<StatusServer> {
+    let stats = view.stats().clone();
+    let (now, _) = mode.describe();
+    let extra = move || {
+        let stats = view.stats();
+        stats.cache_bytes.store(
+            view.cache().held_bytes(),
+            std::sync::atomic::Ordering::Relaxed,
+        );
+        let backing = mode.memory().and_then(|m| m.used().ok()).unwrap_or(0);
+        stats
+            .backing_bytes
+            .store(backing, std::sync::atomic::Ordering::Relaxed);
+        let (name, why) = mode.describe();
+        serde_json::json!({
+            "mode": name,
+            "mode_reason": why,
+            "cache_capacity": view.cache().capacity_bytes(),
+            "backing_budget": mode.memory().map(|m| m.budget()),
+        })
+    };
+    match StatusServer::start(args.mountpoint(), args.sealed(), now, stats, extra) {
+        Ok(s) => Some(s),
+        Err(e) => {
+            log::warn!("no status socket: {e}");
+            None
+        }
+    }
 }
 
 fn spawn(name: &str, f: impl FnOnce() + Send + 'static) -> Result<()> {
@@ -406,6 +471,22 @@ fn init_logging(args: &Args, daemon: bool) -> Result<()> {
     Ok(())
 }
 
+/// `--status`: the daemon's answer on stdout, exit 0; or one line why not, exit 1.
+fn print_status(mountpoint: &Path, metrics: bool) -> ! {
+    let answer = if metrics {
+        crate::status::metrics(mountpoint)
+    } else {
+        crate::status::query(mountpoint).map(|v| format!("{v}\n"))
+    };
+    match answer {
+        Ok(text) => {
+            print!("{text}");
+            std::process::exit(0)
+        }
+        Err(e) => fail(&e),
+    }
+}
+
 fn fail(e: &Error) -> ! {
     eprintln!("kllm-mount: {e}");
     std::process::exit(1);
@@ -414,6 +495,9 @@ fn fail(e: &Error) -> ! {
 pub fn main() {
     crate::secmem::harden_process();
     let args = Args::parse();
+    if let Some(mountpoint) = &args.status {
+        print_status(mountpoint, args.metrics);
+    }
     // The daemon logs elsewhere; checks before it starts log to stderr.
     if let Err(e) = init_logging(&args, !args.foreground) {
         fail(&e);

@@ -13,6 +13,7 @@ use fuser::{
 use crate::memfs::MemoryFile;
 use crate::passthrough::{Backing, OpenTable, Opened, Requested, ServeMode};
 use crate::secmem::SecureBuf;
+use crate::status::Stats;
 use crate::view::{Content, Ino, Kind, Node, View};
 use crate::ReadError;
 
@@ -72,13 +73,17 @@ impl KllmFs {
         kept: Option<Arc<MemoryFile>>,
         reply: &ReplyOpen,
     ) -> Option<Backing<BackingId>> {
-        let memory = match &node.content {
-            Content::Shard { .. } => Some(match kept {
-                Some(m) => m,
-                None => self.decode(ino, node)?,
-            }),
-            Content::Verbatim { .. } => None,
+        // Under a manifest a verbatim file is copied into memory as it is checked, so a
+        // later rewrite of the sealed file cannot reach the kernel unchecked.
+        let copy = match &node.content {
+            Content::Shard { .. } => true,
+            Content::Verbatim { .. } => node.integrity.is_some(),
             Content::Memory(_) | Content::Dir(_) => return None,
+        };
+        let memory = match (copy, kept) {
+            (false, _) => None,
+            (true, Some(m)) => Some(m),
+            (true, None) => Some(self.decode(ino, node)?),
         };
         let opened = match &memory {
             Some(m) => reply.open_backing(m.file()),
@@ -111,12 +116,12 @@ impl KllmFs {
         }
     }
 
-    /// Decode a whole locked shard into private memory, on all cores. When the budget is
-    /// full, shards kept after their last close make room; failing that, the open is
-    /// served through FUSE.
+    /// Decode a whole locked shard into private memory, on all cores, checking it against
+    /// the manifest at the same time. When the budget is full, shards kept after their
+    /// last close make room; failing that, the open is served through FUSE.
     fn decode(&self, ino: Ino, node: &Node) -> Option<Arc<MemoryFile>> {
         let memory = self.mode.passthrough()?;
-        let fill = |buf: &mut [u8]| self.view.read_into(ino, 0, buf).map(drop);
+        let fill = |buf: &mut [u8]| self.view.read_whole(ino, buf);
         let started = std::time::Instant::now();
         let mut result = memory.fill(node.attr.size, fill);
         if is_full(&result) && self.opens.drop_kept() > 0 {
@@ -248,6 +253,18 @@ impl Filesystem for KllmFs {
                 fh: self.opens.open_fuse(ino.0),
             },
         };
+        let stats = self.view.stats();
+        if let Opened::Fuse { fh } = opened {
+            // A file under a manifest is hashed before its first byte is served (a
+            // passthrough open checked it while decoding).
+            if let Err(e) = self.view.verify(ino.0) {
+                self.opens.release(fh);
+                Stats::add(&stats.read_errors, 1);
+                log::error!("open of {} refused: {e}", self.view.path_of(ino.0));
+                return reply.error(Errno::from_i32(e.errno()));
+            }
+        }
+        stats.opened(matches!(opened, Opened::Passthrough { .. }));
         match opened {
             Opened::Passthrough { fh, id } => {
                 reply.opened_passthrough(FileHandle(fh), FopenFlags::empty(), &id)
@@ -267,7 +284,9 @@ impl Filesystem for KllmFs {
         _flush: bool,
         reply: ReplyEmpty,
     ) {
-        self.opens.release(fh.0);
+        if self.opens.release(fh.0).is_some() {
+            self.view.stats().released();
+        }
         reply.ok();
     }
 
@@ -295,8 +314,12 @@ impl Filesystem for KllmFs {
             }
             let out = &mut buf.as_mut().expect("just made")[..size];
             match self.view.read_into(ino.0, offset, out) {
-                Ok(n) => reply.data(&out[..n]),
+                Ok(n) => {
+                    Stats::add(&self.view.stats().bytes_served, n as u64);
+                    reply.data(&out[..n])
+                }
                 Err(e) => {
+                    Stats::add(&self.view.stats().read_errors, 1);
                     log::error!(
                         "read of {} at {offset} (+{size}) failed: {e}",
                         self.view.path_of(ino.0)

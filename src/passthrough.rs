@@ -76,6 +76,11 @@ impl ServeMode {
         self.requested
     }
 
+    /// The private memory, whether passthrough is on or was turned off.
+    pub fn memory(&self) -> Option<&MemoryFs> {
+        self.memory.as_ref()
+    }
+
     /// The private memory, while passthrough is on.
     pub fn passthrough(&self) -> Option<&MemoryFs> {
         self.memory
@@ -304,6 +309,54 @@ impl<B> OpenTable<B> {
 mod tests {
     use super::*;
     use std::sync::atomic::AtomicUsize;
+
+    /// The mode another user gets, from a child that became nobody: its exit code says
+    /// what `choose` answered (0: FUSE and why, 1: passthrough, 2: refused, 3: wrong why).
+    fn choose_as_nobody(requested: Requested) -> i32 {
+        // SAFETY: the child only drops privileges, calls `choose` and exits.
+        unsafe {
+            match libc::fork() {
+                0 => {
+                    let code = if libc::setgid(65534) != 0 || libc::setuid(65534) != 0 {
+                        9
+                    } else {
+                        match ServeMode::choose(requested, 1 << 20) {
+                            Ok(m) => match m.describe() {
+                                ("fuse", Some(why)) if why.contains("need root") => 0,
+                                ("fuse", _) => 3,
+                                _ => 1,
+                            },
+                            Err(e) if e.to_string().contains("need root") => 2,
+                            Err(_) => 3,
+                        }
+                    };
+                    libc::_exit(code)
+                }
+                pid => {
+                    let mut status = 0;
+                    libc::waitpid(pid, &mut status, 0);
+                    libc::WEXITSTATUS(status)
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn other_users_fall_back_to_fuse_or_are_refused() {
+        if !rustix::process::geteuid().is_root() {
+            eprintln!("skipped: needs root to become another user");
+            return;
+        }
+        assert_eq!(choose_as_nobody(Requested::Auto), 0);
+        assert_eq!(choose_as_nobody(Requested::Passthrough), 2);
+    }
+
+    #[test]
+    fn fuse_mode_needs_no_memory() {
+        let m = ServeMode::choose(Requested::Fuse, 1 << 20).unwrap();
+        assert!(m.passthrough().is_none() && m.memory().is_none());
+        assert_eq!(m.describe(), ("fuse", Some("--mode fuse".to_string())));
+    }
 
     /// A stand-in for the kernel's backing id that counts how many exist.
     struct Id(Arc<AtomicUsize>);

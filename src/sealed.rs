@@ -8,17 +8,22 @@ use std::path::{Path, PathBuf};
 use std::time::{Duration, UNIX_EPOCH};
 
 use serde_json::Value;
+use sha2::{Digest, Sha256};
 use zeroize::Zeroizing;
 
 use crate::blob;
 use crate::cache::BlockCache;
 use crate::key::{ModelKey, SHIPPED_KEY};
 use crate::lock::Version;
+use crate::manifest::Manifest;
 use crate::pyjson;
 use crate::shard::{Shard, LOCK_META};
-use crate::view::{Attr, Content, Ino, Kind, Node, View, ROOT};
+use crate::status::Stats;
+use crate::view::{Attr, Content, Ino, Integrity, Kind, Node, Stamp, View, ROOT};
 use crate::{Error, Result};
 
+/// kLLM's catalog of the sealed files and their SHA-256.
+pub const MANIFEST: &str = "kllm-manifest.json";
 /// Pipelines keep their seal metadata here; LLMs in the `kllm` object of `config.json`.
 pub const PIPELINE_META: &str = "kllm.json";
 pub const LLM_META: &str = "config.json";
@@ -135,15 +140,14 @@ impl Seal {
         Ok(())
     }
 
-    /// The metadata file as the view shows it: the same text without the lock member.
-    pub fn unlocked_meta_text(&self) -> Result<Option<String>> {
+    /// The metadata file as the view shows it: `text`, the file as read, without the lock
+    /// member.
+    pub fn unlocked_meta_text(&self, text: &str) -> Result<Option<String>> {
         if self.lock.is_none() {
             return Ok(None);
         }
-        let text = fs::read_to_string(&self.meta_file)
-            .map_err(|e| Error::at(&self.meta_file, format!("cannot read ({e})")))?;
         let within = if self.pipeline { None } else { Some("kllm") };
-        pyjson::without_member(&text, within, "lock")
+        pyjson::without_member(text, within, "lock")
             .map(Some)
             .ok_or_else(|| {
                 Error::at(
@@ -197,6 +201,7 @@ impl Builder {
             name: name.clone(),
             attr,
             content,
+            integrity: None,
         });
         // One (possibly empty) child map per node, indexed like `nodes`.
         self.children.push(BTreeMap::new());
@@ -212,14 +217,31 @@ impl Builder {
                 *entries = kids.into_iter().collect();
             }
         }
-        View::new(self.nodes, cache)
+        View::new(self.nodes, cache, Stats::new())
     }
+}
+
+/// When files are checked against the manifest.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, clap::ValueEnum)]
+pub enum Verify {
+    /// Each file on its first use, before its first byte is served.
+    #[default]
+    Open,
+    /// Every file before the mount answers.
+    Mount,
+    /// Never.
+    Off,
 }
 
 /// Everything a mount needs to know, fixed at mount time.
 pub struct Options {
     pub cache_bytes: u64,
     pub block_size: u64,
+    pub verify: Verify,
+    /// A manifest from elsewhere; by default `kllm-manifest.json` in the sealed directory.
+    pub manifest: Option<PathBuf>,
+    /// Refuse to mount unless the manifest's SHA-256 is this (hex).
+    pub manifest_sha256: Option<String>,
 }
 
 impl Options {
@@ -228,6 +250,9 @@ impl Options {
         Options {
             cache_bytes,
             block_size: BlockCache::block_size_for(cache_bytes),
+            verify: Verify::Open,
+            manifest: None,
+            manifest_sha256: None,
         }
     }
 }
@@ -249,20 +274,109 @@ pub fn open(
 ) -> Result<View> {
     let seal = Seal::read(root)?;
     seal.check_key(key, key_source)?;
-    let view = build(&seal, key, opts)?;
+    let manifest = load_manifest(root, opts)?;
+    let view = build(&seal, key, opts, manifest.as_ref())?;
+    if manifest.is_some() && opts.verify == Verify::Mount {
+        verify_now(&view)?;
+    }
     log::info!(
-        "{}: {} nodes, lock {}, cache {} bytes",
+        "{}: {} nodes, lock {}, cache {} bytes, manifest {}",
         root.display(),
         view.len(),
         seal.lock.map_or("none", |v| v.label()),
-        view.cache().capacity_bytes()
+        view.cache().capacity_bytes(),
+        manifest
+            .as_ref()
+            .map_or("none".into(), |m| m.path().display().to_string())
     );
     Ok(view)
 }
 
+/// The manifest to check files against: `--manifest`, else the sealed directory's own,
+/// pinned to `--manifest-sha256` when given. Every file it lists must exist.
+fn load_manifest(root: &Path, opts: &Options) -> Result<Option<Manifest>> {
+    if opts.verify == Verify::Off {
+        return Ok(None);
+    }
+    let path = match &opts.manifest {
+        Some(p) => Some(p.clone()),
+        None => Some(root.join(MANIFEST)).filter(|p| p.exists()),
+    };
+    let Some(path) = path else {
+        if opts.manifest_sha256.is_some() {
+            return Err(Error::at(
+                root,
+                format!(
+                    "--manifest-sha256 is given, but there is no {MANIFEST} (give --manifest FILE)"
+                ),
+            ));
+        }
+        return Ok(None);
+    };
+    let manifest = Manifest::load(&path)?;
+    if let Some(pin) = &opts.manifest_sha256 {
+        manifest.check_pin(pin)?;
+    }
+    for (rel, _) in manifest.files() {
+        let p = root.join(rel);
+        match fs::metadata(&p) {
+            Ok(m) if m.is_file() => {}
+            Ok(_) => {
+                return Err(Error::at(
+                    &p,
+                    format!("is listed in {} but is not a file", path.display()),
+                ))
+            }
+            Err(e) => {
+                return Err(Error::at(
+                    &p,
+                    format!("is listed in {} but missing ({e})", path.display()),
+                ))
+            }
+        }
+    }
+    Ok(Some(manifest))
+}
+
+/// `--verify mount`: hash every file under the manifest on all cores, and refuse the mount
+/// naming the first (by path) that differs.
+fn verify_now(view: &View) -> Result<()> {
+    use rayon::prelude::*;
+    let files: Vec<(String, Ino)> = view
+        .file_paths()
+        .into_iter()
+        .filter(|(_, ino)| view.node(*ino).is_some_and(|n| n.integrity.is_some()))
+        .collect();
+    let total: u64 = files
+        .iter()
+        .map(|(_, i)| view.node(*i).map_or(0, |n| n.attr.size))
+        .sum();
+    let progress = crate::manifest::Progress::new("verifying");
+    let done = std::sync::atomic::AtomicU64::new(0);
+    let results: Vec<_> = files
+        .par_iter()
+        .map(|(_, ino)| {
+            let r = view.verify(*ino);
+            let size = view.node(*ino).map_or(0, |n| n.attr.size);
+            let now = done.fetch_add(size, std::sync::atomic::Ordering::Relaxed) + size;
+            progress.update(now, total);
+            r
+        })
+        .collect();
+    progress.finish();
+    for ((rel, _), r) in files.iter().zip(results) {
+        if let Err(e) = r {
+            return Err(Error::new(format!(
+                "{rel}: {e}; refusing to mount (--verify mount)"
+            )));
+        }
+    }
+    Ok(())
+}
+
 /// The view of a sealed directory whose key was checked. Reads the seal metadata, every
 /// lockable shard's header and `trusted.kllm`; tensor data is left for reads.
-fn build(seal: &Seal, key: &ModelKey, opts: &Options) -> Result<View> {
+fn build(seal: &Seal, key: &ModelKey, opts: &Options, manifest: Option<&Manifest>) -> Result<View> {
     let root = &seal.root;
     let canon_root =
         fs::canonicalize(root).map_err(|e| Error::at(root, format!("cannot resolve ({e})")))?;
@@ -271,6 +385,7 @@ fn build(seal: &Seal, key: &ModelKey, opts: &Options) -> Result<View> {
     let mut walker = Walker {
         seal,
         key,
+        manifest,
         visited: HashSet::from([canon_root.clone()]),
         canon_root,
         b: Builder {
@@ -287,28 +402,50 @@ fn build(seal: &Seal, key: &ModelKey, opts: &Options) -> Result<View> {
     walker.walk(root, Path::new(""), ROOT)?;
     let mut b = walker.b;
 
-    // The metadata file without its lock flag.
-    if let Some(text) = seal.unlocked_meta_text()? {
-        let name = seal
-            .meta_file
-            .file_name()
-            .expect("a file name")
-            .to_os_string();
-        let ino = b.children[0][&name];
-        let node = &mut b.nodes[ino as usize - 1];
-        node.attr.size = text.len() as u64;
-        node.content = Content::Memory(Zeroizing::new(text.into_bytes()));
+    // The metadata file without its lock flag, checked as the bytes read.
+    let meta_bytes = fs::read(&seal.meta_file)
+        .map_err(|e| Error::at(&seal.meta_file, format!("cannot read ({e})")))?;
+    let meta_text = String::from_utf8_lossy(&meta_bytes);
+    let meta_name = seal.meta_file.file_name().expect("a file name");
+    if let Some(text) = seal.unlocked_meta_text(&meta_text)? {
+        if let Some(&ino) = b.children[0].get(meta_name) {
+            let node = &mut b.nodes[ino as usize - 1];
+            node.attr.size = text.len() as u64;
+            node.content = Content::Memory(Zeroizing::new(text.into_bytes()));
+            node.integrity = node.integrity.take().map(|i| {
+                Integrity::decided(i.listed_as, i.want, Sha256::digest(&meta_bytes).into())
+            });
+        }
     }
 
-    // The secret files of trusted.kllm, at their paths.
+    // The secret files of trusted.kllm, at their paths; under a manifest only when it lists
+    // the blob, each checked as the blob's bytes.
     let blob_path = root.join(blob::FILE_NAME);
     if blob_path.is_file() {
         let blob_meta = fs::metadata(&blob_path)
             .map_err(|e| Error::at(&blob_path, format!("cannot stat ({e})")))?;
-        let files = blob::read(&blob_path, key)?;
-        for (rel, data) in files {
-            crate::secmem::lock_slice(&data);
-            add_secret_file(&mut b, &blob_path, &blob_meta, &rel, data)?;
+        let data = blob::read_bytes(&blob_path)?;
+        let files = blob::secret_files(&blob_path, &blob::open(&blob_path, &data, key)?)?;
+        let integrity = match manifest {
+            None => Some(None),
+            Some(m) => m
+                .digest(blob::FILE_NAME)
+                .map(|want| Some((want, <[u8; 32]>::from(Sha256::digest(&data))))),
+        };
+        match integrity {
+            None => log::warn!(
+                "{}: not listed in the manifest; its secret files are not shown",
+                blob_path.display()
+            ),
+            Some(check) => {
+                for (rel, data) in files {
+                    crate::secmem::lock_slice(&data);
+                    let ino = add_secret_file(&mut b, &blob_path, &blob_meta, &rel, data)?;
+                    b.nodes[ino as usize - 1].integrity = check.map(|(want, got)| {
+                        Integrity::decided(blob::FILE_NAME.to_string(), want, got)
+                    });
+                }
+            }
         }
     }
     Ok(b.finish(BlockCache::new(opts.cache_bytes, opts.block_size)))
@@ -320,7 +457,7 @@ fn add_secret_file(
     blob_meta: &Metadata,
     rel: &str,
     data: Zeroizing<Vec<u8>>,
-) -> Result<()> {
+) -> Result<Ino> {
     let parts: Vec<&str> = rel.split('/').collect();
     let mut dir = ROOT;
     for part in &parts[..parts.len() - 1] {
@@ -355,27 +492,35 @@ fn add_secret_file(
             let node = &mut b.nodes[ino as usize - 1];
             node.attr = attr;
             node.content = Content::Memory(data);
-            Ok(())
+            Ok(ino)
         }
-        None => {
-            b.add(dir, name, attr, Content::Memory(data));
-            Ok(())
-        }
+        None => Ok(b.add(dir, name, attr, Content::Memory(data))),
     }
 }
 
-/// Hidden from the view: the encrypted blob and a key shipped beside the weights.
+/// A path as the manifest writes it: relative, `/` between parts.
+fn manifest_path(rel: &Path) -> String {
+    rel.iter()
+        .map(|p| p.to_string_lossy())
+        .collect::<Vec<_>>()
+        .join("/")
+}
+
+/// Hidden from the view: the encrypted blob, a key shipped beside the weights, and the
+/// manifest (the seal's records, not the checkpoint's).
 fn hidden(rel: &Path) -> bool {
     rel.parent() == Some(Path::new(""))
         && rel
             .file_name()
-            .is_some_and(|n| n == blob::FILE_NAME || n == SHIPPED_KEY)
+            .is_some_and(|n| n == blob::FILE_NAME || n == SHIPPED_KEY || n == MANIFEST)
 }
 
 /// The walk over the sealed directory: what every level needs, held once.
 struct Walker<'a> {
     seal: &'a Seal,
     key: &'a ModelKey,
+    /// Only the files it lists are shown, each checked against it.
+    manifest: Option<&'a Manifest>,
     canon_root: PathBuf,
     /// Directories already shown, so a link loop is shown once.
     visited: HashSet<PathBuf>,
@@ -427,9 +572,21 @@ impl Walker<'_> {
                 let ino = self.b.add(dir_ino, name, attr, Content::Dir(Vec::new()));
                 self.walk(&real, &rel, ino)?;
             } else if meta.is_file() {
+                let integrity = match self.manifest {
+                    None => None,
+                    Some(m) => {
+                        let listed_as = manifest_path(&rel);
+                        let Some(want) = m.digest(&listed_as) else {
+                            log::warn!("{}: not in the manifest; not shown", path.display());
+                            continue;
+                        };
+                        Some(Integrity::new(listed_as, want))
+                    }
+                };
                 let content = file_content(self.seal, self.key, &real, &path, &content_rel)?;
                 let attr = attr_of(&meta, Kind::File, meta.len());
-                self.b.add(dir_ino, name, attr, content);
+                let ino = self.b.add(dir_ino, name, attr, content);
+                self.b.nodes[ino as usize - 1].integrity = integrity;
             } else {
                 log::warn!(
                     "{}: not a regular file or directory; not shown",
@@ -503,6 +660,7 @@ fn file_content(
             path: real.to_path_buf(),
             file: Default::default(),
             id: (m.dev(), m.ino()),
+            stamp: Stamp::from_meta(&m),
         });
     }
     let file = File::open(real).map_err(|e| Error::at(shown, format!("cannot open ({e})")))?;
@@ -519,6 +677,7 @@ fn file_content(
             path: real.to_path_buf(),
             file: std::sync::OnceLock::from(std::sync::Arc::new(file)),
             id: (m.dev(), m.ino()),
+            stamp: Stamp::from_meta(&m),
         });
     }
     if seal.lock.is_none() {

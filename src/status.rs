@@ -491,7 +491,11 @@ fn answer(mut stream: UnixStream, id: &Identity, stats: &Stats, extra: &Extra) -
     stream.set_write_timeout(Some(CLIENT_TIMEOUT))?;
     let request = read_request(&mut stream);
     let body = match request.as_str() {
-        "metrics" => metrics_text(id, &stats.snapshot()),
+        "metrics" => {
+            // Brings the gauges up to date.
+            let _ = extra();
+            metrics_text(id, &stats.snapshot())
+        }
         "" | "status" => {
             let mut line = serde_json::to_string(&status_object(id, stats, extra))?;
             line.push('\n');
@@ -557,11 +561,17 @@ fn status_object(id: &Identity, stats: &Stats, extra: &Extra) -> Value {
     let uptime = SystemTime::now()
         .duration_since(id.started)
         .map_or(0, |d| d.as_secs());
+    // First, so it can bring the gauges up to date before they are read.
+    let more = extra();
+    let mode = more
+        .get("mode")
+        .and_then(Value::as_str)
+        .map_or_else(|| id.mode.clone(), str::to_string);
     let mut obj = serde_json::Map::new();
     for (k, v) in [
         ("version", Value::from(env!("CARGO_PKG_VERSION"))),
         ("pid", Value::from(std::process::id())),
-        ("mode", Value::from(id.mode.clone())),
+        ("mode", Value::from(mode)),
         ("sealed", Value::from(id.sealed.to_string_lossy())),
         ("mounted_at", Value::from(id.mounted_at.to_string_lossy())),
         ("started", Value::from(rfc3339(started))),
@@ -573,7 +583,7 @@ fn status_object(id: &Identity, stats: &Stats, extra: &Extra) -> Value {
     if let Ok(Value::Object(counters)) = serde_json::to_value(stats.snapshot()) {
         obj.extend(counters);
     }
-    match extra() {
+    match more {
         Value::Object(more) => {
             for (k, v) in more {
                 obj.entry(k).or_insert(v);

@@ -13,6 +13,7 @@ use zeroize::Zeroizing;
 use crate::cache::BlockCache;
 use crate::secmem::Wiped;
 use crate::shard::Shard;
+use crate::status::Stats;
 use crate::ReadError;
 
 pub type Ino = u64;
@@ -46,6 +47,8 @@ pub enum Content {
         path: PathBuf,
         file: OnceLock<Arc<File>>,
         id: (u64, u64),
+        /// The file as it was at mount time; checked on reads of a file under a manifest.
+        stamp: Stamp,
     },
     /// Bytes that exist only in memory: secret files and the metadata file without its
     /// lock flag.
@@ -73,13 +76,16 @@ pub struct Stamp {
 
 impl Stamp {
     pub fn of(file: &File) -> std::io::Result<Stamp> {
+        Ok(Stamp::from_meta(&file.metadata()?))
+    }
+
+    pub fn from_meta(m: &std::fs::Metadata) -> Stamp {
         use std::os::unix::fs::MetadataExt;
-        let m = file.metadata()?;
-        Ok(Stamp {
+        Stamp {
             len: m.len(),
             mtime: (m.mtime(), m.mtime_nsec()),
             ctime: (m.ctime(), m.ctime_nsec()),
-        })
+        }
     }
 
     /// Whether `now` may hold other bytes than `self` where `self`'s bytes were: any
@@ -94,18 +100,75 @@ pub struct Node {
     pub name: OsString,
     pub attr: Attr,
     pub content: Content,
+    /// What the manifest says the file must hash to; `None` without a manifest.
+    pub integrity: Option<Integrity>,
+}
+
+/// A file's digest in the manifest, and the verdict once the file was hashed: decided at
+/// mount for bytes read then (the metadata file, the secret files), else on first use.
+pub struct Integrity {
+    /// The manifest's path of the file whose bytes are checked.
+    pub listed_as: String,
+    pub want: [u8; 32],
+    verdict: OnceLock<Result<(), String>>,
+}
+
+impl Integrity {
+    pub fn new(listed_as: String, want: [u8; 32]) -> Integrity {
+        Integrity {
+            listed_as,
+            want,
+            verdict: OnceLock::new(),
+        }
+    }
+
+    /// A verdict on bytes already read: `got` is their digest.
+    pub fn decided(listed_as: String, want: [u8; 32], got: [u8; 32]) -> Integrity {
+        let i = Integrity::new(listed_as, want);
+        let _ = i.verdict.set(i.judge(Ok(got)));
+        i
+    }
+
+    pub fn verdict(&self) -> Option<&Result<(), String>> {
+        self.verdict.get()
+    }
+
+    fn judge(&self, got: std::io::Result<[u8; 32]>) -> Result<(), String> {
+        match got {
+            Ok(got) if got == self.want => Ok(()),
+            Ok(got) => Err(format!(
+                "{} does not match kllm-manifest.json (SHA-256 {}, listed {}): altered after sealing",
+                self.listed_as,
+                hex::encode(got),
+                hex::encode(self.want)
+            )),
+            Err(e) => Err(format!(
+                "{} cannot be checked against kllm-manifest.json ({e})",
+                self.listed_as
+            )),
+        }
+    }
 }
 
 /// The whole view: nodes indexed by inode number (`ino - 1`).
 pub struct View {
     nodes: Vec<Node>,
     cache: BlockCache,
+    stats: Arc<Stats>,
 }
 
 impl View {
     /// `nodes[0]` must be the root directory.
-    pub fn new(nodes: Vec<Node>, cache: BlockCache) -> View {
-        View { nodes, cache }
+    pub fn new(nodes: Vec<Node>, cache: BlockCache, stats: Arc<Stats>) -> View {
+        View {
+            nodes,
+            cache,
+            stats,
+        }
+    }
+
+    pub fn stats(&self) -> &Arc<Stats> {
+        &self.stats
     }
 
     pub fn node(&self, ino: Ino) -> Option<&Node> {
@@ -186,8 +249,80 @@ impl View {
     }
 
     /// Fill `out` with the bytes at `off`, cut at the end of the file, and return how many
-    /// were written, so a caller can reuse one buffer for every read.
+    /// were written, so a caller can reuse one buffer for every read. A file under a
+    /// manifest is hashed whole before its first byte is served.
     pub fn read_into(&self, ino: Ino, off: u64, out: &mut [u8]) -> Result<usize, ReadError> {
+        self.verify(ino)?;
+        self.read_unverified(ino, off, out)
+    }
+
+    /// Fill `out` with the whole file, hashing it at the same time when it still awaits its
+    /// check: the bytes are handed on only once the verdict is in.
+    pub fn read_whole(&self, ino: Ino, out: &mut [u8]) -> Result<(), ReadError> {
+        let node = self.node(ino).ok_or(ReadError::NotFound)?;
+        match &node.integrity {
+            Some(i) if i.verdict().is_none() => {
+                let (verdict, read) = rayon::join(
+                    || self.verdict(ino, node, i),
+                    || self.read_unverified(ino, 0, out),
+                );
+                verdict.clone().map_err(ReadError::Unverified)?;
+                read.map(drop)
+            }
+            _ => self.read_into(ino, 0, out).map(drop),
+        }
+    }
+
+    /// Whether the file may be served: always without a manifest, else once its bytes
+    /// hashed to what the manifest lists. Concurrent first callers wait for one hash.
+    pub fn verify(&self, ino: Ino) -> Result<(), ReadError> {
+        let node = self.node(ino).ok_or(ReadError::NotFound)?;
+        match &node.integrity {
+            None => Ok(()),
+            Some(i) => self
+                .verdict(ino, node, i)
+                .clone()
+                .map_err(ReadError::Unverified),
+        }
+    }
+
+    fn verdict<'a>(&self, ino: Ino, node: &Node, i: &'a Integrity) -> &'a Result<(), String> {
+        i.verdict.get_or_init(|| {
+            let verdict = i.judge(self.hash(node));
+            let stats = &self.stats;
+            match &verdict {
+                Ok(()) => {
+                    Stats::add(&stats.verified_files, 1);
+                    Stats::add(&stats.verified_bytes, node.attr.size);
+                }
+                Err(why) => {
+                    Stats::add(&stats.failed_files, 1);
+                    log::error!(
+                        "{}: {why}; its opens and reads fail with EIO",
+                        self.path_of(ino)
+                    );
+                }
+            }
+            verdict
+        })
+    }
+
+    /// SHA-256 of the sealed file behind a node.
+    fn hash(&self, node: &Node) -> std::io::Result<[u8; 32]> {
+        match &node.content {
+            Content::Verbatim { .. } => match self.verbatim_file(node) {
+                Ok(f) => crate::manifest::sha256_file(f),
+                Err(ReadError::Io(e)) => Err(e),
+                Err(e) => Err(std::io::Error::other(e.to_string())),
+            },
+            Content::Shard { file, .. } => crate::manifest::sha256_file(file),
+            Content::Memory(_) | Content::Dir(_) => Err(std::io::Error::other(
+                "no file to hash (its verdict is given at mount)",
+            )),
+        }
+    }
+
+    fn read_unverified(&self, ino: Ino, off: u64, out: &mut [u8]) -> Result<usize, ReadError> {
         let node = self.node(ino).ok_or(ReadError::NotFound)?;
         let len = node.attr.size.saturating_sub(off).min(out.len() as u64) as usize;
         let out = &mut out[..len];
@@ -195,14 +330,22 @@ impl View {
             Content::Dir(_) => return Err(ReadError::IsDir),
             _ if len == 0 => {}
             Content::Memory(bytes) => out.copy_from_slice(&bytes[off as usize..off as usize + len]),
-            Content::Verbatim { .. } => {
-                self.verbatim_file(node)?.read_exact_at(out, off)?;
+            Content::Verbatim { stamp, .. } => {
+                let f = self.verbatim_file(node)?;
+                f.read_exact_at(out, off)?;
+                // Under a manifest the bytes checked must be the bytes served.
+                if node.integrity.is_some() && stamp.rewritten(&Stamp::of(f)?) {
+                    return Err(ReadError::Changed);
+                }
             }
             Content::Shard {
                 file, shard, stamp, ..
             } => {
                 let raw = |at: u64, buf: &mut [u8]| file.read_exact_at(buf, at);
-                self.cache.read_shard(ino, shard, off, out, &raw)?;
+                let (hits, misses) = self.cache.read_shard(ino, shard, off, out, &raw)?;
+                Stats::add(&self.stats.cache_hits, hits);
+                Stats::add(&self.stats.cache_misses, misses);
+                Stats::add(&self.stats.bytes_decoded, len as u64);
                 // Bytes decoded from a file rewritten since mounting are wrong: checked
                 // after reading, so a change before or during the read is caught.
                 let touched_data = off + len as u64 > shard.data_start;
@@ -216,7 +359,7 @@ impl View {
 
     /// The open file behind a verbatim node, opened on first use.
     pub fn verbatim_file<'a>(&self, node: &'a Node) -> Result<&'a Arc<File>, ReadError> {
-        let Content::Verbatim { path, file, id } = &node.content else {
+        let Content::Verbatim { path, file, id, .. } = &node.content else {
             return Err(ReadError::NotFound);
         };
         if let Some(f) = file.get() {

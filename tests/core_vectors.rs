@@ -37,10 +37,12 @@ fn every_good_vector_matches_its_view() {
         Options {
             cache_bytes: 0,
             block_size: 1 << 20,
+            ..Options::default()
         },
         Options {
             cache_bytes: 1 << 16,
             block_size: 4096,
+            ..Options::default()
         },
     ] {
         for case in cases().iter().filter(|c| c.ok()) {
@@ -87,6 +89,7 @@ fn random_ranges_equal_slices_of_the_whole() {
             &Options {
                 cache_bytes: 1 << 16,
                 block_size: 4096,
+                ..Options::default()
             },
         )
         .unwrap();
