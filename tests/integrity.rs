@@ -1,0 +1,423 @@
+//! Integrity while serving: files checked against kLLM's manifest before their first byte
+//! is served, in both serving modes, and the status socket's counters against what a test
+//! read.
+
+mod common;
+
+use std::fs::{self, File, OpenOptions};
+use std::os::unix::fs::FileExt;
+use std::path::{Path, PathBuf};
+use std::process::Output;
+use std::time::{Duration, Instant};
+
+use common::*;
+use kllm_mount::key::ModelKey;
+use kllm_mount::lock::Version;
+use kllm_mount::sealed::{self, Options};
+use kllm_mount::testseal;
+use serde_json::{json, Value};
+use sha2::{Digest, Sha256};
+use tempfile::TempDir;
+
+const KEY: [u8; 32] = [0x3c; 32];
+const EIO: i32 = libc::EIO;
+const SHARD: &str = "model-00002-of-00002.safetensors";
+const MODES: [&str; 2] = ["passthrough", "fuse"];
+
+/// A sealed sample with a manifest in kLLM's layout, and its view as the core reads it.
+struct Sample {
+    tmp: TempDir,
+    view: Vec<(String, Vec<u8>)>,
+}
+
+impl Sample {
+    fn new() -> Sample {
+        let tmp = tempfile::Builder::new()
+            .prefix("kllm-integrity.")
+            .tempdir()
+            .unwrap();
+        let root = tmp.path();
+        let key = ModelKey::new(KEY);
+        testseal::write_sample_model(&root.join("plain"), 256, 2).unwrap();
+        let sealed = root.join("sealed");
+        testseal::seal_dir(
+            &root.join("plain"),
+            &sealed,
+            &key,
+            Some(Version::V2),
+            [2; 16],
+        )
+        .unwrap();
+        fs::write(root.join("kllm.key"), testseal::open_key_file(&key)).unwrap();
+        let opts = Options {
+            cache_bytes: 0,
+            ..Options::default()
+        };
+        let core = sealed::open(&sealed, &key, &"test", &opts).unwrap();
+        let view = core
+            .file_paths()
+            .into_iter()
+            .map(|(rel, ino)| {
+                let size = core.node(ino).unwrap().attr.size as usize;
+                (rel, core.read(ino, 0, size).unwrap().to_vec())
+            })
+            .collect();
+        let s = Sample { tmp, view };
+        s.write_manifest(&s.sealed().join("kllm-manifest.json"));
+        s
+    }
+
+    fn sealed(&self) -> PathBuf {
+        self.tmp.path().join("sealed")
+    }
+
+    fn bytes(&self, rel: &str) -> &[u8] {
+        &self.view.iter().find(|(r, _)| r == rel).unwrap().1
+    }
+
+    /// A manifest of the sealed directory as kLLM's catalog writes it.
+    fn write_manifest(&self, to: &Path) -> String {
+        let mut files = serde_json::Map::new();
+        for (rel, path) in tree(&self.sealed()) {
+            if rel != "kllm-manifest.json" {
+                let digest = Sha256::digest(fs::read(path).unwrap());
+                files.insert(rel, Value::from(hex::encode(digest)));
+            }
+        }
+        let doc = json!({"format": "kllm-catalog", "version": 1, "name": "test", "kllm": "0.1.0", "files": files});
+        let text = serde_json::to_string_pretty(&doc).unwrap();
+        fs::write(to, &text).unwrap();
+        hex::encode(Sha256::digest(text.as_bytes()))
+    }
+
+    fn args(&self, extra: &[&str]) -> Vec<String> {
+        let mut a = vec![
+            "--key".to_string(),
+            self.tmp.path().join("kllm.key").display().to_string(),
+        ];
+        a.extend(extra.iter().map(|s| s.to_string()));
+        a
+    }
+
+    fn mount(&self, m: &Mnt, extra: &[&str]) -> i32 {
+        let mut c = m.cmd(&self.sealed());
+        c.args(self.args(extra))
+            .arg("--log-file")
+            .arg(m.scratch().join("log"));
+        m.mount(c)
+    }
+
+    fn try_mount(&self, m: &Mnt, extra: &[&str]) -> Output {
+        let mut c = m.cmd(&self.sealed());
+        c.args(self.args(extra));
+        run(c)
+    }
+}
+
+/// Flip one bit of `rel` in the sealed directory at `at` (from the end when negative),
+/// keeping its times as they were, as a careful attacker would.
+fn flip(sealed: &Path, rel: &str, at: i64) {
+    let p = sealed.join(rel);
+    let len = fs::metadata(&p).unwrap().len() as i64;
+    let at = if at < 0 { len + at } else { at } as u64;
+    let f = OpenOptions::new().read(true).write(true).open(&p).unwrap();
+    let mut b = [0u8; 1];
+    f.read_exact_at(&mut b, at).unwrap();
+    b[0] ^= 0x01;
+    f.write_all_at(&b, at).unwrap();
+}
+
+fn status(m: &Mnt) -> Value {
+    let out = run({
+        let mut c = std::process::Command::new(env!("CARGO_BIN_EXE_kllm-mount"));
+        c.arg("--status").arg(&m.mp);
+        c
+    });
+    assert!(out.status.success(), "--status: {}", stderr_of(&out));
+    serde_json::from_slice(&out.stdout).unwrap()
+}
+
+fn wait_for(mut f: impl FnMut() -> bool) {
+    let deadline = Instant::now() + Duration::from_secs(5);
+    while !f() {
+        assert!(Instant::now() < deadline, "condition not reached in 5 s");
+        std::thread::sleep(Duration::from_millis(50));
+    }
+}
+
+fn assert_reads_fail(m: &Mnt, rel: &str, label: &str) {
+    let e = File::open(m.path(rel)).and_then(|f| {
+        let mut b = vec![0u8; 64];
+        f.read_at(&mut b, 0)
+    });
+    assert_eq!(
+        errno_of(e, &format!("{label}: {rel}")),
+        EIO,
+        "{label}: {rel}"
+    );
+}
+
+#[test]
+fn untouched_files_are_verified_and_served_in_each_mode() {
+    let s = Sample::new();
+    for mode in MODES {
+        let m = Mnt::new();
+        s.mount(&m, &["--mode", mode]);
+        assert!(
+            !m.path("kllm-manifest.json").exists(),
+            "the manifest is shown"
+        );
+        for (rel, want) in &s.view {
+            assert!(&fs::read(m.path(rel)).unwrap() == want, "{mode}: {rel}");
+        }
+        let st = status(&m);
+        assert_eq!(st["mode"], mode, "{st}");
+        assert_eq!(st["failed_files"], 0, "{st}");
+        // Every file read: the shards on first use, the rest at mount.
+        assert_eq!(st["verified_files"], s.view.len() as u64, "{st}");
+    }
+}
+
+#[test]
+fn the_real_kllm_manifest_guards_its_model() {
+    let fixtures = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures");
+    let key = fixtures.join("pipe_zimage_client/kllm.key");
+    let view = fixtures.join("pipe_zimage_client/view");
+    let m = Mnt::new();
+    let sealed = m.scratch().join("sealed");
+    copy_tree(&fixtures.join("manifest/sealed"), &sealed);
+    let mount = |m: &Mnt| {
+        let mut c = m.cmd(&sealed);
+        c.arg("--key").arg(&key).args(["--verify", "mount"]);
+        run(c)
+    };
+    let out = mount(&m);
+    assert!(out.status.success(), "{}", stderr_of(&out));
+    m.daemon();
+    for (rel, path) in tree(&view) {
+        assert!(
+            fs::read(m.path(&rel)).unwrap() == fs::read(path).unwrap(),
+            "{rel}"
+        );
+    }
+    assert!(fusermount_u(&m.mp, false));
+    wait_for(|| !is_mounted(&m.mp));
+    // One bit of a weight changed after sealing: the mount is refused and says which.
+    flip(
+        &sealed,
+        "transformer/diffusion_pytorch_model.safetensors",
+        -3,
+    );
+    let out = mount(&m);
+    let err = stderr_of(&out);
+    assert_eq!(out.status.code(), Some(1), "{err}");
+    assert!(
+        err.contains("transformer/diffusion_pytorch_model.safetensors")
+            && err.contains("does not match kllm-manifest.json"),
+        "{err}"
+    );
+    assert!(!is_mounted(&m.mp));
+}
+
+/// Each region of a sealed model altered after sealing, in each mode: the file fails with
+/// EIO (never other bytes), the others still read, the log names it, status counts it,
+/// and `--verify mount` refuses naming it.
+#[test]
+fn altered_files_fail_with_eio_in_each_mode() {
+    let header = |s: &Sample| {
+        // Inside the shard's JSON header, where the change still parses: "pt" -> "qt".
+        let b = fs::read(s.sealed().join(SHARD)).unwrap();
+        let n = u64::from_le_bytes(b[..8].try_into().unwrap()) as usize;
+        let text = std::str::from_utf8(&b[8..8 + n]).unwrap();
+        8 + text.find("\"format\":\"pt\"").unwrap() as i64 + 10
+    };
+    let cases: Vec<(&str, &str, Box<dyn Fn(&Sample) -> i64>)> = vec![
+        ("header", SHARD, Box::new(header)),
+        ("locked data", SHARD, Box::new(|_| -3)),
+        ("verbatim file", "tokenizer_config.json", Box::new(|_| 3)),
+        ("the config", "config.json", Box::new(|_| 5)),
+    ];
+    for (region, rel, at) in cases {
+        let s = Sample::new();
+        flip(&s.sealed(), rel, at(&s));
+        for mode in MODES {
+            let label = format!("{region}, --mode {mode}");
+            let m = Mnt::new();
+            s.mount(&m, &["--mode", mode]);
+            assert_reads_fail(&m, rel, &label);
+            for (other, want) in s.view.iter().filter(|(r, _)| r != rel) {
+                let got = fs::read(m.path(other));
+                assert!(
+                    got.as_deref().ok() == Some(&want[..]),
+                    "{label}: {other}: {got:?}"
+                );
+            }
+            let log = fs::read_to_string(m.scratch().join("log")).unwrap();
+            assert!(
+                log.lines()
+                    .any(|l| l.contains(rel) && l.contains("does not match")),
+                "{label}: the log does not name {rel}"
+            );
+            let st = status(&m);
+            assert_eq!(st["failed_files"], 1, "{label}: {st}");
+            assert!(st["read_errors"].as_u64().unwrap() >= 1, "{label}: {st}");
+        }
+        let m = Mnt::new();
+        let out = s.try_mount(&m, &["--verify", "mount"]);
+        let err = stderr_of(&out);
+        assert_eq!(out.status.code(), Some(1), "{region}: {err}");
+        assert!(
+            err.contains(rel) && err.contains("--verify mount"),
+            "{region}: {err}"
+        );
+        assert!(!is_mounted(&m.mp));
+        // Without the check the altered bytes are what the mount shows.
+        let m = Mnt::new();
+        s.mount(&m, &["--verify", "off"]);
+        assert!(File::open(m.path(rel)).is_ok(), "{region}: --verify off");
+    }
+}
+
+#[test]
+fn an_altered_blob_is_refused_at_mount() {
+    let s = Sample::new();
+    flip(&s.sealed(), "trusted.kllm", -40);
+    let m = Mnt::new();
+    let out = s.try_mount(&m, &[]);
+    let err = stderr_of(&out);
+    assert_eq!(out.status.code(), Some(1), "{err}");
+    assert!(err.contains("trusted.kllm"), "{err}");
+    assert!(!is_mounted(&m.mp));
+}
+
+#[test]
+fn missing_extra_and_pinned_manifests() {
+    // A listed file that is missing: refused at mount, naming it.
+    let s = Sample::new();
+    fs::remove_file(s.sealed().join("tokenizer_config.json")).unwrap();
+    let m = Mnt::new();
+    let out = s.try_mount(&m, &[]);
+    let err = stderr_of(&out);
+    assert_eq!(out.status.code(), Some(1), "{err}");
+    assert!(
+        err.contains("tokenizer_config.json") && err.contains("missing"),
+        "{err}"
+    );
+
+    // A file the manifest does not list is not shown.
+    let s = Sample::new();
+    fs::write(s.sealed().join("extra.py"), b"print('not sealed')").unwrap();
+    let m = Mnt::new();
+    s.mount(&m, &[]);
+    assert!(!m.path("extra.py").exists(), "an unlisted file is shown");
+    assert!(fs::read(m.path(SHARD)).unwrap() == s.bytes(SHARD));
+    drop(m);
+
+    // Pinned: the right value mounts, another is refused, a pin without a manifest too.
+    let s = Sample::new();
+    let outside = s.tmp.path().join("catalog.json");
+    let pin = s.write_manifest(&outside);
+    fs::remove_file(s.sealed().join("kllm-manifest.json")).unwrap();
+    let m = Mnt::new();
+    s.mount(
+        &m,
+        &[
+            "--manifest",
+            outside.to_str().unwrap(),
+            "--manifest-sha256",
+            &pin,
+        ],
+    );
+    assert!(fs::read(m.path(SHARD)).unwrap() == s.bytes(SHARD));
+    drop(m);
+    let wrong = "0".repeat(64);
+    let m = Mnt::new();
+    let out = s.try_mount(
+        &m,
+        &[
+            "--manifest",
+            outside.to_str().unwrap(),
+            "--manifest-sha256",
+            &wrong,
+        ],
+    );
+    let err = stderr_of(&out);
+    assert_eq!(out.status.code(), Some(1), "{err}");
+    assert!(err.contains("catalog.json"), "{err}");
+    let out = s.try_mount(&m, &["--manifest-sha256", &pin]);
+    assert_eq!(out.status.code(), Some(1), "{}", stderr_of(&out));
+}
+
+#[test]
+fn a_verified_file_rewritten_later_fails() {
+    let s = Sample::new();
+    let m = Mnt::new();
+    s.mount(&m, &["--mode", "fuse", "--cache-size", "0"]);
+    let f = open_direct(&m.path("tokenizer_config.json"));
+    let want = s.bytes("tokenizer_config.json");
+    assert_eq!(pread(&f, 0, want.len()).unwrap(), want);
+    // Same bytes, same size, rewritten: the change time moves.
+    fs::write(s.sealed().join("tokenizer_config.json"), want).unwrap();
+    assert_eq!(errno_of(pread(&f, 0, want.len()), "rewritten"), EIO);
+}
+
+#[test]
+fn status_counts_what_was_read() {
+    let s = Sample::new();
+    let m = Mnt::new();
+    s.mount(&m, &["--mode", "fuse", "--cache-size", "0"]);
+    let st = status(&m);
+    for field in [
+        "mode",
+        "sealed",
+        "mounted_at",
+        "files_open",
+        "bytes_served",
+        "bytes_decoded",
+        "cache_hits",
+        "cache_misses",
+        "cache_bytes",
+        "read_errors",
+        "verified_files",
+        "failed_files",
+    ] {
+        assert!(st.get(field).is_some(), "no {field} in {st}");
+    }
+    assert_eq!(st["bytes_served"], 0);
+    let st0 = st.clone();
+    assert_eq!(
+        st["mounted_at"],
+        fs::canonicalize(&m.mp).unwrap().to_str().unwrap()
+    );
+    let want = s.bytes(SHARD);
+    let f = File::open(m.path(SHARD)).unwrap();
+    let mut got = vec![0u8; want.len()];
+    f.read_exact_at(&mut got, 0).unwrap();
+    assert!(got == want);
+    let st = status(&m);
+    assert_eq!(st["files_open"], 1, "{st}");
+    assert_eq!(st["bytes_served"], want.len() as u64, "{st}");
+    assert!(
+        st["bytes_decoded"].as_u64().unwrap() >= want.len() as u64 - 4096,
+        "{st}"
+    );
+    // The shard on its first open; the files read at mount were checked then.
+    let at_mount = st0["verified_files"].as_u64().unwrap();
+    assert_eq!(st["verified_files"], at_mount + 1, "{st}");
+    drop(f);
+    wait_for(|| status(&m)["files_open"] == 0);
+}
+
+#[test]
+fn status_of_a_mount_point_without_a_daemon_is_an_error() {
+    let m = Mnt::new();
+    let out = run({
+        let mut c = std::process::Command::new(env!("CARGO_BIN_EXE_kllm-mount"));
+        c.arg("--status").arg(&m.mp);
+        c
+    });
+    let err = stderr_of(&out);
+    assert_eq!(out.status.code(), Some(1), "{err}");
+    assert_eq!(err.lines().count(), 1, "{err}");
+    assert!(err.starts_with("kllm-mount: "), "{err}");
+}
