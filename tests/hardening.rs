@@ -165,11 +165,16 @@ impl Mounted {
 }
 
 /// Mount `sealed` in the background with `args`, in the mount's temporary directory (where a
-/// core file would land); `tweak` may change the command first.
+/// core file would land); `tweak` may change the command first. Through FUSE: these tests
+/// hold the daemon's own read path to account (exact O_DIRECT ranges, files changed while
+/// mounted, its locked cache); tests/passthrough.rs and tests/integrity.rs cover the other
+/// mode.
 fn mount_with(sealed: &Path, args: &[&OsStr], tweak: impl FnOnce(&mut Command)) -> Mounted {
     let mnt = Mnt::new();
     let mut c = mnt.cmd(sealed);
-    c.args(args).current_dir(mnt.mp.parent().unwrap());
+    c.args(["--mode", "fuse"])
+        .args(args)
+        .current_dir(mnt.mp.parent().unwrap());
     tweak(&mut c);
     let pid = mnt.mount(c);
     Mounted { mnt, pid }
