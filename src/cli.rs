@@ -9,7 +9,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use clap::Parser;
-use fuser::{Config, MountOption, Session, SessionACL};
+use fuser::{Config, MountOption, SessionACL};
 
 use crate::cache::parse_size;
 use crate::fuse::KllmFs;
@@ -64,9 +64,11 @@ fn default_threads() -> usize {
 /// FUSE mount configuration from the command line; the mount is always read-only.
 pub fn fuse_config(sealed: &Path, options: &[String], threads: usize) -> Result<Config> {
     let mut cfg = Config::default();
+    // ops: `fuse.kllm-mount` in /proc/mounts, with the resolved sealed path as its source.
+    let source = std::fs::canonicalize(sealed).unwrap_or_else(|_| sealed.to_path_buf());
     let mut opts = vec![
-        MountOption::FSName(format!("kllm:{}", sealed.display()).replace(',', "_")),
-        MountOption::Subtype("kllm".into()),
+        MountOption::FSName(source.to_string_lossy().into_owned()),
+        MountOption::Subtype(crate::mounttab::SUBTYPE.into()),
         MountOption::RO,
         MountOption::NoDev,
         MountOption::NoSuid,
@@ -102,6 +104,8 @@ pub fn fuse_config(sealed: &Path, options: &[String], threads: usize) -> Result<
 /// Everything that can fail before mounting: arguments, the seal, the key, the view.
 pub fn prepare(args: &Args) -> Result<View> {
     let mp = &args.mountpoint;
+    // ops: refuse to stack a second view on one mount point (src/mounttab.rs).
+    crate::mounttab::check_not_mounted(mp)?;
     match std::fs::metadata(mp) {
         Ok(m) if m.is_dir() => {}
         Ok(_) => return Err(Error::at(mp, "mount point is not a directory")),
@@ -146,7 +150,8 @@ pub fn serve(args: &Args, view: View, ready: impl FnOnce(Result<()>)) -> Result<
             return Err(e);
         }
     };
-    let mut session = match Session::new(
+    // ops: mount(2) as `fuse.kllm-mount` as root, else fusermount3 (src/kernel_mount.rs).
+    let (session, mut unmounter) = match crate::kernel_mount::mount(
         KllmFs::new(Arc::new(view)).on_destroy(Box::new(|| {
             log::info!("session ended; exiting");
             std::process::exit(0)
@@ -166,7 +171,6 @@ pub fn serve(args: &Args, view: View, ready: impl FnOnce(Result<()>)) -> Result<
             return Err(e);
         }
     };
-    let mut unmounter = session.unmount_callable();
     let ended = tx.clone();
     std::thread::Builder::new()
         .name("kllm-session".into())
@@ -344,14 +348,33 @@ fn fail(e: &Error) -> ! {
 
 pub fn main() {
     crate::secmem::harden_process();
-    let args = Args::parse();
+    let mut args = Args::parse();
+    // ops: mount(8), fstab and mount.fuse3 pass our settings as -o key=FILE,... too.
+    match crate::mounttab::split_options(&args.options) {
+        Ok(o) => {
+            args.key = o.key.or(args.key.take());
+            args.cache_size = o.cache_size.unwrap_or(args.cache_size);
+            args.readahead = o.readahead.unwrap_or(args.readahead);
+            args.threads = o.threads.unwrap_or(args.threads);
+            args.log_file = o.log_file.or(args.log_file.take());
+            args.foreground |= o.foreground;
+            args.options = o.fuse;
+        }
+        Err(e) => fail(&e),
+    }
     // The daemon logs elsewhere; checks before it starts log to stderr.
     if let Err(e) = init_logging(&args, !args.foreground) {
         fail(&e);
     }
     let view = prepare(&args).unwrap_or_else(|e| fail(&e));
     if args.foreground {
-        if let Err(e) = serve(&args, view, |_| {}) {
+        // ops: systemd Type=notify readiness (src/notify.rs).
+        let ready = |r: Result<()>| {
+            if r.is_ok() {
+                crate::notify::ready(&args.mountpoint)
+            }
+        };
+        if let Err(e) = serve(&args, view, ready) {
             fail(&e);
         }
         return;

@@ -1,7 +1,10 @@
 pub mod blob;
 pub mod error;
+pub mod kernel_mount;
 pub mod key;
 pub mod lock;
+pub mod mounttab;
+pub mod notify;
 pub mod pyjson;
 pub use error::{Error, Result};
 pub mod cache;
