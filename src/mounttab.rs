@@ -84,8 +84,7 @@ pub fn parse_mountinfo(text: &str) -> Vec<MountEntry> {
 pub fn kllm_mount_in(mountinfo: &str, mount_point: &Path) -> Option<MountEntry> {
     parse_mountinfo(mountinfo)
         .into_iter()
-        .filter(|e| e.mount_point == mount_point && e.is_kllm())
-        .last()
+        .rfind(|e| e.mount_point == mount_point && e.is_kllm())
 }
 
 /// Refuse to mount where a kllm view is already mounted. A mount point whose daemon died
@@ -94,17 +93,15 @@ pub fn check_not_mounted(mount_point: &Path) -> Result<()> {
     let Ok(table) = std::fs::read_to_string("/proc/self/mountinfo") else {
         return Ok(());
     };
-    // A dead FUSE mount cannot be resolved; its absolute path is what the table shows.
-    let (resolved, stat_error) = match std::fs::canonicalize(mount_point) {
-        Ok(p) => (p, None),
-        Err(e) => (
-            std::path::absolute(mount_point).unwrap_or_else(|_| mount_point.to_path_buf()),
-            Some(e),
-        ),
-    };
+    // realpath(3) reads no attributes, so it resolves a dead FUSE mount too; a stat then
+    // tells a live view from one whose daemon is gone.
+    let resolved = std::fs::canonicalize(mount_point)
+        .or_else(|_| std::path::absolute(mount_point))
+        .unwrap_or_else(|_| mount_point.to_path_buf());
     let Some(entry) = kllm_mount_in(&table, &resolved) else {
         return Ok(());
     };
+    let stat_error = std::fs::metadata(&resolved).err();
     let shown = mount_point.display();
     Err(match stat_error {
         Some(e) if e.raw_os_error() == Some(libc::ENOTCONN) => Error::at(
