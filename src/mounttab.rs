@@ -93,15 +93,16 @@ pub fn check_not_mounted(mount_point: &Path) -> Result<()> {
     let Ok(table) = std::fs::read_to_string("/proc/self/mountinfo") else {
         return Ok(());
     };
-    // realpath(3) reads no attributes, so it resolves a dead FUSE mount too; a stat then
-    // tells a live view from one whose daemon is gone.
+    // realpath(3) reads no attributes, so it resolves a dead FUSE mount too. The kernel
+    // may still answer a stat from its attribute cache; opening the directory always asks
+    // the daemon, so it tells a live view from one whose daemon is gone.
     let resolved = std::fs::canonicalize(mount_point)
         .or_else(|_| std::path::absolute(mount_point))
         .unwrap_or_else(|_| mount_point.to_path_buf());
     let Some(entry) = kllm_mount_in(&table, &resolved) else {
         return Ok(());
     };
-    let stat_error = std::fs::metadata(&resolved).err();
+    let stat_error = std::fs::read_dir(&resolved).err();
     let shown = mount_point.display();
     Err(match stat_error {
         Some(e) if e.raw_os_error() == Some(libc::ENOTCONN) => Error::at(
