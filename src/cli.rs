@@ -8,11 +8,13 @@ use std::sync::mpsc;
 use std::sync::Arc;
 use std::time::Duration;
 
-use clap::Parser;
-use fuser::{Config, MountOption, Session, SessionACL};
+use clap::{CommandFactory, Parser};
+use fuser::{Config, MountOption, SessionACL};
 
 use crate::fuse::KllmFs;
+use crate::kernel_mount::Unmounter;
 use crate::key;
+use crate::mounttab::{expand_options, Ours};
 use crate::passthrough::{Requested, ServeMode};
 use crate::sealed::{self, Options, Verify};
 use crate::status::StatusServer;
@@ -132,9 +134,11 @@ fn default_threads() -> usize {
 /// FUSE mount configuration from the command line; the mount is always read-only.
 pub fn fuse_config(sealed: &Path, options: &[String], threads: usize) -> Result<Config> {
     let mut cfg = Config::default();
+    // ops: `fuse.kllm-mount` in /proc/mounts, with the resolved sealed path as its source.
+    let source = std::fs::canonicalize(sealed).unwrap_or_else(|_| sealed.to_path_buf());
     let mut opts = vec![
-        MountOption::FSName(format!("kllm:{}", sealed.display()).replace(',', "_")),
-        MountOption::Subtype("kllm".into()),
+        MountOption::FSName(source.to_string_lossy().into_owned()),
+        MountOption::Subtype(crate::mounttab::SUBTYPE.into()),
         MountOption::RO,
         MountOption::NoDev,
         MountOption::NoSuid,
@@ -189,6 +193,8 @@ pub struct Prepared {
 /// serving mode.
 pub fn prepare(args: &Args) -> Result<Prepared> {
     let mp = args.mountpoint();
+    // A second view stacked on one mount point would hide the first.
+    crate::mounttab::check_not_mounted(mp)?;
     match std::fs::metadata(mp) {
         Ok(m) if m.is_dir() => {}
         Ok(_) => return Err(Error::at(mp, "mount point is not a directory")),
@@ -260,7 +266,7 @@ fn start_session(
     view: Arc<View>,
     mode: Arc<ServeMode>,
     events: mpsc::Sender<Event>,
-) -> Result<fuser::SessionUnmounter> {
+) -> Result<Unmounter> {
     // Signals are caught before mounting, so none can end the process with the mount left.
     let mut signals =
         signal_hook::iterator::Signals::new([libc::SIGTERM, libc::SIGINT, libc::SIGHUP])
@@ -270,15 +276,17 @@ fn start_session(
         log::info!("session ended; exiting");
         std::process::exit(0)
     }));
-    let mut session = Session::new(fs, args.mountpoint(), &cfg).map_err(|e| {
-        let hint = if e.kind() == std::io::ErrorKind::NotFound {
-            " (is fuse3 installed? fusermount3 was not found)"
-        } else {
-            ""
-        };
-        Error::at(args.mountpoint(), format!("cannot mount ({e}){hint}"))
-    })?;
-    let unmounter = session.unmount_callable();
+    // As root mount(2) as `fuse.kllm-mount` with the sealed path as source, else through
+    // fusermount3 (src/kernel_mount.rs).
+    let (session, unmounter) =
+        crate::kernel_mount::mount(fs, args.mountpoint(), &cfg).map_err(|e| {
+            let hint = if e.kind() == std::io::ErrorKind::NotFound {
+                " (is fuse3 installed? fusermount3 was not found)"
+            } else {
+                ""
+            };
+            Error::at(args.mountpoint(), format!("cannot mount ({e}){hint}"))
+        })?;
     let ended = events.clone();
     spawn("kllm-session", move || {
         let _ = ended.send(Event::Ended(session.run()));
@@ -335,7 +343,7 @@ fn spawn(name: &str, f: impl FnOnce() + Send + 'static) -> Result<()> {
 fn wait_for_end(
     mountpoint: &Path,
     events: &mpsc::Receiver<Event>,
-    mut unmounter: fuser::SessionUnmounter,
+    mut unmounter: Unmounter,
 ) -> Result<()> {
     match events.recv() {
         Ok(Event::Signal(sig)) => {
@@ -494,7 +502,19 @@ fn fail(e: &Error) -> ! {
 
 pub fn main() {
     crate::secmem::harden_process();
-    let args = Args::parse();
+    // mount(8), fstab and mount.fuse3 pass our settings as -o key=FILE,... too.
+    let argv = expand_options(std::env::args_os().collect(), |name| {
+        let command = Args::command();
+        let arg = command
+            .get_arguments()
+            .find(|a| a.get_long() == Some(name))?;
+        Some(match arg.get_action().takes_values() {
+            true => Ours::Value,
+            false => Ours::Flag,
+        })
+    })
+    .unwrap_or_else(|e| fail(&e));
+    let args = Args::parse_from(argv);
     if let Some(mountpoint) = &args.status {
         print_status(mountpoint, args.metrics);
     }
@@ -504,7 +524,13 @@ pub fn main() {
     }
     let prepared = prepare(&args).unwrap_or_else(|e| fail(&e));
     if args.foreground {
-        if let Err(e) = serve(&args, prepared, |_| {}) {
+        // systemd Type=notify readiness (src/notify.rs).
+        let ready = |r: Result<()>| {
+            if r.is_ok() {
+                crate::notify::ready(args.mountpoint())
+            }
+        };
+        if let Err(e) = serve(&args, prepared, ready) {
             fail(&e);
         }
         return;

@@ -1,8 +1,11 @@
 pub mod blob;
 pub mod error;
+pub mod kernel_mount;
 pub mod key;
 pub mod lock;
 pub mod memfs;
+pub mod mounttab;
+pub mod notify;
 pub mod passthrough;
 pub mod pyjson;
 pub use error::{Error, ReadError, Result};

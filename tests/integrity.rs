@@ -219,6 +219,9 @@ fn the_real_kllm_manifest_guards_its_model() {
     assert!(!is_mounted(&m.mp));
 }
 
+/// Where to flip a bit of a file, from the sample's bytes (from the end when negative).
+type Where = dyn Fn(&Sample) -> i64;
+
 /// Each region of a sealed model altered after sealing, in each mode: the file fails with
 /// EIO (never other bytes), the others still read, the log names it, status counts it,
 /// and `--verify mount` refuses naming it.
@@ -231,7 +234,7 @@ fn altered_files_fail_with_eio_in_each_mode() {
         let text = std::str::from_utf8(&b[8..8 + n]).unwrap();
         8 + text.find("\"format\":\"pt\"").unwrap() as i64 + 10
     };
-    let cases: Vec<(&str, &str, Box<dyn Fn(&Sample) -> i64>)> = vec![
+    let cases: Vec<(&str, &str, Box<Where>)> = vec![
         ("header", SHARD, Box::new(header)),
         ("locked data", SHARD, Box::new(|_| -3)),
         ("verbatim file", "tokenizer_config.json", Box::new(|_| 3)),
