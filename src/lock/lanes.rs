@@ -63,7 +63,7 @@ impl<const W: usize> Kind for SignMagnitude<W> {
 
     #[inline(always)]
     fn first_outside(part: &[u8], m: u64) -> Option<usize> {
-        if max_magnitude::<W>(part) < m {
+        if max_code::<W>(part, true) < m {
             return None;
         }
         let mask = (1u64 << (8 * W - 1)) - 1;
@@ -82,20 +82,24 @@ impl<const W: usize> Kind for SignMagnitude<W> {
     }
 }
 
-/// The largest magnitude among sign-magnitude values: a reduction without an early exit, so
-/// it vectorizes (the domain check runs on every decoded value).
+/// The largest code of `W` bytes, read unsigned, its top bit dropped when `magnitude`: a
+/// reduction without an early exit, so it vectorizes (the domain check runs on every decoded
+/// value).
 #[inline(always)]
-fn max_magnitude<const W: usize>(part: &[u8]) -> u64 {
+fn max_code<const W: usize>(part: &[u8], magnitude: bool) -> u64 {
+    macro_rules! fold {
+        ($t:ty) => {{
+            let mask = if magnitude { <$t>::MAX >> 1 } else { <$t>::MAX };
+            part.chunks_exact(W)
+                .map(|v| <$t>::from_le_bytes(v.try_into().expect("one value")) & mask)
+                .fold(0, <$t>::max) as u64
+        }};
+    }
     match W {
-        1 => part.iter().map(|&v| v & 0x7F).fold(0, u8::max) as u64,
-        2 => part
-            .chunks_exact(2)
-            .map(|v| u16::from_le_bytes(v.try_into().expect("2 bytes")) & 0x7FFF)
-            .fold(0, u16::max) as u64,
-        _ => part
-            .chunks_exact(4)
-            .map(|v| u32::from_le_bytes(v.try_into().expect("4 bytes")) & 0x7FFF_FFFF)
-            .fold(0, u32::max) as u64,
+        1 => fold!(u8),
+        2 => fold!(u16),
+        4 => fold!(u32),
+        _ => fold!(u64),
     }
 }
 
@@ -107,6 +111,12 @@ impl<const W: usize> Kind for Unsigned<W> {
 
     #[inline(always)]
     fn first_outside(part: &[u8], m: u64) -> Option<usize> {
+        // Negative integers read as unsigned are at least 2^(8W-1) >= m, so they fail the
+        // unsigned maximum just as their sign-extended codes fail below.
+        debug_assert!(W == 1 || m <= 1 << (8 * W - 1));
+        if max_code::<W>(part, false) < m {
+            return None;
+        }
         part.chunks_exact(W).position(|v| {
             if W == 1 {
                 v[0] as u64 >= m
