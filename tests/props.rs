@@ -132,9 +132,9 @@ proptest! {
         shard.read(0, &mut whole, &raw).unwrap();
         let plain_n = u64::from_le_bytes(plain_file[..8].try_into().unwrap()) as usize;
         prop_assert_eq!(&whole[8 + n..], &plain_file[8 + plain_n..]);
-        if doc.is_some() {
-            prop_assert_ne!(&sealed[8 + n..], &plain_file[8 + plain_n..]);
-        }
+        // No "locking changed the bytes" here: a value keeps its code with probability
+        // 1/domain, and a tensor of zeros has a domain of one. The vectors and fixtures
+        // hold sealed data apart from their views.
         // Any range equals the same slice of the whole.
         for (off, len) in c.ranges {
             let off = off % (sealed.len() as u64 + 1);

@@ -1,0 +1,268 @@
+//! The pure arithmetic of a lock: how a key-stream word becomes an offset below `span`, and
+//! how an index moves by that offset modulo `span`. Every kernel goes through these, so the
+//! lane loops differ only in how codes are read and written.
+
+/// The integer type a kernel computes in: 32-bit lanes for narrow streams (4 bytes of stream
+/// a code, spans up to 2^31), 64-bit for wide ones (8 bytes a code).
+pub(super) trait Lane:
+    Copy
+    + Ord
+    + std::ops::Add<Output = Self>
+    + std::ops::Sub<Output = Self>
+    + std::ops::Mul<Output = Self>
+    + std::ops::BitAnd<Output = Self>
+    + std::ops::BitOr<Output = Self>
+    + std::ops::Shl<u32, Output = Self>
+    + std::ops::Shr<u32, Output = Self>
+{
+    /// Bytes of key stream one code consumes.
+    const WORD_BYTES: usize;
+    const ONE: Self;
+
+    /// `x` cut to the lane; callers pass values the lane holds (`m`, `span`, checked codes).
+    fn from_u64(x: u64) -> Self;
+    fn from_bool(b: bool) -> Self;
+
+    /// A little-endian unsigned value of `width` bytes (1, 2, 4 or 8), cut to the lane.
+    fn load(bytes: &[u8], width: usize) -> Self;
+    /// The low `width` bytes of `self`, little-endian, zero-extended when `width` is wider.
+    fn store(self, bytes: &mut [u8], width: usize);
+
+    /// The offset a code's stream word (at the start of `word`) gives, below `span`.
+    /// `small_span`: `span <= 2^16`, known when the kernel is built.
+    fn offset(word: &[u8], span: Self, small_span: bool) -> Self;
+
+    fn overflowing_sub(self, rhs: Self) -> (Self, bool);
+    fn wrapping_add(self, rhs: Self) -> Self;
+}
+
+impl Lane for u32 {
+    const WORD_BYTES: usize = 4;
+    const ONE: u32 = 1;
+
+    #[inline(always)]
+    fn from_u64(x: u64) -> u32 {
+        x as u32
+    }
+
+    #[inline(always)]
+    fn from_bool(b: bool) -> u32 {
+        b as u32
+    }
+
+    #[inline(always)]
+    fn load(bytes: &[u8], width: usize) -> u32 {
+        match width {
+            1 => bytes[0] as u32,
+            2 => u16::from_le_bytes(bytes[..2].try_into().expect("2 bytes")) as u32,
+            4 => u32::from_le_bytes(bytes[..4].try_into().expect("4 bytes")),
+            _ => u64::from_le_bytes(bytes[..8].try_into().expect("8 bytes")) as u32,
+        }
+    }
+
+    #[inline(always)]
+    fn store(self, bytes: &mut [u8], width: usize) {
+        match width {
+            1 => bytes[0] = self as u8,
+            2 => bytes[..2].copy_from_slice(&(self as u16).to_le_bytes()),
+            4 => bytes[..4].copy_from_slice(&self.to_le_bytes()),
+            _ => bytes[..8].copy_from_slice(&(self as u64).to_le_bytes()),
+        }
+    }
+
+    #[inline(always)]
+    fn offset(word: &[u8], span: u32, small_span: bool) -> u32 {
+        let word = u32::load(word, 4);
+        if small_span {
+            narrow_offset::<true>(word, span)
+        } else {
+            narrow_offset::<false>(word, span)
+        }
+    }
+
+    #[inline(always)]
+    fn overflowing_sub(self, rhs: u32) -> (u32, bool) {
+        u32::overflowing_sub(self, rhs)
+    }
+
+    #[inline(always)]
+    fn wrapping_add(self, rhs: u32) -> u32 {
+        u32::wrapping_add(self, rhs)
+    }
+}
+
+impl Lane for u64 {
+    const WORD_BYTES: usize = 8;
+    const ONE: u64 = 1;
+
+    #[inline(always)]
+    fn from_u64(x: u64) -> u64 {
+        x
+    }
+
+    #[inline(always)]
+    fn from_bool(b: bool) -> u64 {
+        b as u64
+    }
+
+    #[inline(always)]
+    fn load(bytes: &[u8], width: usize) -> u64 {
+        let mut raw = [0u8; 8];
+        raw[..width].copy_from_slice(&bytes[..width]);
+        u64::from_le_bytes(raw)
+    }
+
+    #[inline(always)]
+    fn store(self, bytes: &mut [u8], width: usize) {
+        bytes[..width].copy_from_slice(&self.to_le_bytes()[..width]);
+    }
+
+    #[inline(always)]
+    fn offset(word: &[u8], span: u64, _small_span: bool) -> u64 {
+        wide_offset(u64::load(word, 8), span)
+    }
+
+    #[inline(always)]
+    fn overflowing_sub(self, rhs: u64) -> (u64, bool) {
+        u64::overflowing_sub(self, rhs)
+    }
+
+    #[inline(always)]
+    fn wrapping_add(self, rhs: u64) -> u64 {
+        u64::wrapping_add(self, rhs)
+    }
+}
+
+/// A 32-bit stream word scaled onto `[0, span)`: `(word * span) >> 32`.
+#[inline(always)]
+pub(super) fn narrow_offset<const SMALL_SPAN: bool>(word: u32, span: u32) -> u32 {
+    if SMALL_SPAN {
+        // The 32x32->64 multiply is a 4-lane vector op; two 32-bit ones are 8-lane.
+        split_mul_high(word, span)
+    } else {
+        ((word as u64 * span as u64) >> 32) as u32
+    }
+}
+
+/// A 64-bit stream word, its top bit dropped, reduced modulo `span` (kLLM's wide form).
+#[inline(always)]
+pub(super) fn wide_offset(word: u64, span: u64) -> u64 {
+    (word & 0x7FFF_FFFF_FFFF_FFFF) % span
+}
+
+/// `(word * span) >> 32` for `span <= 2^16`, in 32-bit arithmetic: exact, because
+/// `floor((hi * 2^16 * span + lo * span) / 2^32) = (hi * span + (lo * span >> 16)) >> 16`
+/// and neither sum can overflow 32 bits.
+#[inline(always)]
+pub(super) fn split_mul_high(word: u32, span: u32) -> u32 {
+    debug_assert!(span <= 1 << 16);
+    ((word >> 16) * span + (((word & 0xFFFF) * span) >> 16)) >> 16
+}
+
+/// `(idx ± off) mod span` for `idx, off < span`, written with selects rather than branches so
+/// the lane loops vectorize. The sum cannot overflow: narrow spans are at most 2^31, wide ones
+/// come from values of at most 63 magnitude bits.
+#[inline(always)]
+pub(super) fn shift_mod<L: Lane, const LOCK: bool>(idx: L, off: L, span: L) -> L {
+    if LOCK {
+        let t = idx + off;
+        if t >= span {
+            t - span
+        } else {
+            t
+        }
+    } else {
+        let (d, borrow) = idx.overflowing_sub(off);
+        d.wrapping_add(span * L::from_bool(borrow))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn xorshift(x: &mut u64) -> u64 {
+        *x ^= *x << 13;
+        *x ^= *x >> 7;
+        *x ^= *x << 17;
+        *x
+    }
+
+    #[test]
+    fn split_multiply_is_exact() {
+        let mut x = 0x9E37_79B9_7F4A_7C15u64;
+        let spans = [
+            1u32, 2, 0xFE, 0x100, 0x8000, 0xF800, 0xFF00, 0xFFFF, 0x10000,
+        ];
+        for i in 0..200_000u32 {
+            let word = match i {
+                0 => 0,
+                1 => u32::MAX,
+                _ => xorshift(&mut x) as u32,
+            };
+            for &span in &spans {
+                let exact = ((word as u64 * span as u64) >> 32) as u32;
+                assert_eq!(split_mul_high(word, span), exact, "{word:#x} * {span:#x}");
+            }
+        }
+    }
+
+    #[test]
+    fn offsets_stay_below_the_span() {
+        assert_eq!(narrow_offset::<false>(0, 1 << 31), 0);
+        assert_eq!(narrow_offset::<false>(u32::MAX, 1 << 31), (1 << 31) - 1);
+        assert_eq!(narrow_offset::<true>(u32::MAX, 0x10000), 0xFFFF);
+        assert_eq!(narrow_offset::<true>(0x8000_0000, 10), 5);
+        // The wide form ignores the top bit of the word.
+        assert_eq!(wide_offset(u64::MAX, 1 << 40), (1 << 40) - 1);
+        assert_eq!(wide_offset(1 << 63, 7), 0);
+        assert_eq!(wide_offset((1 << 63) | 20, 7), 6);
+        let mut x = 0x0123_4567_89AB_CDEFu64;
+        for _ in 0..10_000 {
+            let span = 1 + xorshift(&mut x) % (1 << 31);
+            assert!((narrow_offset::<false>(xorshift(&mut x) as u32, span as u32) as u64) < span);
+            let span = 1 + xorshift(&mut x);
+            assert!(wide_offset(xorshift(&mut x), span) < span);
+        }
+    }
+
+    #[test]
+    fn the_lanes_read_the_same_stream_words() {
+        let word = [0xEF, 0xBE, 0xAD, 0xDE, 0x78, 0x56, 0x34, 0x92];
+        assert_eq!(u32::offset(&word, 1 << 16, false), 0xDEAD);
+        assert_eq!(u32::offset(&word, 1 << 16, true), 0xDEAD);
+        assert_eq!(
+            u64::offset(&word, 1 << 32, false),
+            0x1234_5678_DEAD_BEEF & 0xFFFF_FFFF
+        );
+    }
+
+    #[test]
+    fn shifts_wrap_modulo_the_span() {
+        assert_eq!(shift_mod::<u32, true>(5, 3, 7), 1);
+        assert_eq!(shift_mod::<u32, false>(1, 3, 7), 5);
+        assert_eq!(shift_mod::<u32, false>(3, 3, 7), 0);
+        assert_eq!(shift_mod::<u32, true>(0, 0, 1), 0);
+        let top = 1u32 << 31;
+        assert_eq!(shift_mod::<u32, true>(top - 1, top - 1, top), top - 2);
+        assert_eq!(shift_mod::<u32, false>(0, top - 1, top), 1);
+        let big = 1u64 << 62;
+        assert_eq!(shift_mod::<u64, true>(big - 1, big - 2, big), big - 3);
+        assert_eq!(shift_mod::<u64, false>(0, 1, big), big - 1);
+        // Exhaustive on small spans: unlocking undoes locking, and both stay below the span.
+        for span in 1u32..=40 {
+            for idx in 0..span {
+                for off in 0..span {
+                    let locked = shift_mod::<u32, true>(idx, off, span);
+                    assert!(locked < span);
+                    assert_eq!(locked, (idx + off) % span);
+                    assert_eq!(shift_mod::<u32, false>(locked, off, span), idx);
+                    assert_eq!(
+                        shift_mod::<u64, false>(locked as u64, off as u64, span as u64),
+                        idx as u64
+                    );
+                }
+            }
+        }
+    }
+}

@@ -1,0 +1,180 @@
+//! Locked tensors: format-preserving shifts of value codes by a per-tensor key stream.
+//!
+//! Every value is read as an unsigned code below `span` and shifted modulo `span`; the
+//! shift (offset) of value `j` comes from position `j` of the tensor's own key stream,
+//! AES-256-CTR for lock v1 and ChaCha20 for lock v2. Both seek to any block, so any range of
+//! a tensor decodes on its own.
+//!
+//! - [`codec`]: how values are read as codes, and the domains each kind allows;
+//! - `stream`: the key streams;
+//! - `arith`: offsets and modular shifts;
+//! - `lanes`: the kernels, one generic loop per kind of code and instruction set.
+
+mod arith;
+mod codec;
+mod lanes;
+mod stream;
+
+pub use codec::Codec;
+
+use crate::key::{ModelKey, Secret};
+use lanes::{BatchFn, Domain, Isa};
+
+/// Codes processed per batch: the offsets of a batch fit in L1/L2.
+const BATCH: usize = 4096;
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Version {
+    V1,
+    V2,
+}
+
+impl Version {
+    pub fn parse(s: &str) -> Option<Version> {
+        match s {
+            "v1" => Some(Version::V1),
+            "v2" => Some(Version::V2),
+            _ => None,
+        }
+    }
+
+    pub fn label(self) -> &'static str {
+        match self {
+            Version::V1 => "v1",
+            Version::V2 => "v2",
+        }
+    }
+}
+
+/// A value outside the locked domain: the data is not what was locked.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct OutOfDomain {
+    /// Index of the offending unit from the start of the tensor.
+    pub unit: u64,
+}
+
+/// Everything needed to unlock (and, with the sealer, lock) any range of one tensor.
+#[derive(Debug, Clone)]
+pub struct TensorLock {
+    pub version: Version,
+    pub codec: Codec,
+    pub m: u64,
+    span: u64,
+    /// v1 F32 and v2 spans above 2^31 take 64 bits of stream per code.
+    wide: bool,
+    stream_key: Secret,
+    /// Chosen once for this codec, stream width and CPU.
+    decode_kernel: BatchFn,
+    #[cfg(feature = "seal")]
+    encode_kernel: BatchFn,
+}
+
+/// The id a tensor's key stream is derived from: its name, scoped by the shard's directory.
+pub fn tensor_id(shard_dir: &str, name: &str) -> String {
+    if shard_dir.is_empty() {
+        name.to_string()
+    } else {
+        format!("{shard_dir}/{name}")
+    }
+}
+
+impl TensorLock {
+    /// `m` must already satisfy `codec.valid_domain(m)`.
+    pub fn new(
+        key: &ModelKey,
+        version: Version,
+        codec: Codec,
+        m: u64,
+        tensor_id: &str,
+    ) -> TensorLock {
+        debug_assert!(codec.valid_domain(m));
+        let span = if codec.signed() { 2 * m } else { m };
+        let wide = match version {
+            Version::V1 => matches!(codec, Codec::Float { bits: 32, .. }),
+            Version::V2 => span > 1 << 31,
+        };
+        let stream_key = key.derive(&format!("lock/{}/{tensor_id}", version.label()));
+        let isa = Isa::best();
+        TensorLock {
+            version,
+            codec,
+            m,
+            span,
+            wide,
+            stream_key,
+            decode_kernel: isa.select::<false>(codec, wide),
+            #[cfg(feature = "seal")]
+            encode_kernel: isa.select::<true>(codec, wide),
+        }
+    }
+
+    fn stream_width(&self) -> usize {
+        if self.wide {
+            8
+        } else {
+            4
+        }
+    }
+
+    /// Unlock whole units in place: `buf` holds units `[first_unit, ...)` of the tensor.
+    pub fn decode(&self, first_unit: u64, buf: &mut [u8]) -> Result<(), OutOfDomain> {
+        self.shift(self.decode_kernel, first_unit, buf)
+    }
+
+    /// Lock whole units in place (the test sealer's side).
+    #[cfg(feature = "seal")]
+    pub fn encode(&self, first_unit: u64, buf: &mut [u8]) -> Result<(), OutOfDomain> {
+        self.shift(self.encode_kernel, first_unit, buf)
+    }
+
+    /// The largest tensor a stream can cover: ChaCha20's 32-bit block counter (256 GiB of
+    /// stream); AES-CTR's 128-bit counter has no practical limit.
+    pub fn max_units(&self) -> u64 {
+        let per_code = self.stream_width() as u64;
+        match self.version {
+            Version::V1 => u64::MAX / 16,
+            Version::V2 => (64u64 << 32) / per_code / self.codec.codes_per_unit(),
+        }
+    }
+
+    fn shift(&self, kernel: BatchFn, first_unit: u64, buf: &mut [u8]) -> Result<(), OutOfDomain> {
+        let ub = self.codec.unit_bytes();
+        assert_eq!(buf.len() % ub, 0, "whole units only");
+        let cpu = self.codec.codes_per_unit() as usize;
+        let width = self.stream_width();
+        let units_per_batch = BATCH / cpu;
+        let domain = Domain {
+            m: self.m,
+            span: self.span,
+        };
+        KEYSTREAM.with(|cell| {
+            let mut ks = cell.borrow_mut();
+            for (b, part) in buf.chunks_mut(units_per_batch * ub).enumerate() {
+                let unit0 = first_unit + (b * units_per_batch) as u64;
+                let n_codes = part.len() / ub * cpu;
+                ks.resize(n_codes * width, 0);
+                let ks = &mut ks[..n_codes * width];
+                let first_code = unit0 * cpu as u64;
+                stream::fill(
+                    self.version,
+                    &self.stream_key,
+                    first_code * width as u64,
+                    ks,
+                );
+                // SAFETY: `kernel` was built for an instruction set `Isa::best` found on
+                // this CPU.
+                if let Some(i) = unsafe { kernel(domain, part, ks) } {
+                    return Err(OutOfDomain {
+                        unit: unit0 + i as u64,
+                    });
+                }
+            }
+            Ok(())
+        })
+    }
+}
+
+thread_local! {
+    /// One batch of key stream per thread, reused across calls.
+    static KEYSTREAM: std::cell::RefCell<Vec<u8>> = const { std::cell::RefCell::new(Vec::new()) };
+}
