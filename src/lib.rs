@@ -11,6 +11,7 @@ pub mod pyjson;
 pub use error::{Error, ReadError, Result};
 pub mod cache;
 pub mod cli;
+pub mod daemon;
 pub mod fuse;
 pub mod manifest;
 pub mod sealed;

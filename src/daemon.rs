@@ -1,0 +1,314 @@
+//! The daemon: mount, report readiness, serve until unmounted or signalled, unmount
+//! cleanly; in the background, a forked child that reports back through a pipe.
+
+use std::io::{Read, Write};
+use std::os::fd::{FromRawFd, OwnedFd};
+use std::path::Path;
+use std::sync::mpsc;
+use std::sync::Arc;
+use std::time::Duration;
+
+use fuser::{Config, MountOption, SessionACL};
+
+use crate::cli::{fail, Args, Prepared};
+use crate::fuse::KllmFs;
+use crate::kernel_mount::Unmounter;
+use crate::passthrough::ServeMode;
+use crate::status::StatusServer;
+use crate::view::View;
+use crate::{Error, Result};
+
+/// FUSE mount configuration from the command line; the mount is always read-only.
+pub fn fuse_config(sealed: &Path, options: &[String], threads: usize) -> Result<Config> {
+    let mut cfg = Config::default();
+    // ops: `fuse.kllm-mount` in /proc/mounts, with the resolved sealed path as its source.
+    let source = std::fs::canonicalize(sealed).unwrap_or_else(|_| sealed.to_path_buf());
+    let mut opts = vec![
+        MountOption::FSName(source.to_string_lossy().into_owned()),
+        MountOption::Subtype(crate::mounttab::SUBTYPE.into()),
+        MountOption::RO,
+        MountOption::NoDev,
+        MountOption::NoSuid,
+        MountOption::DefaultPermissions,
+    ];
+    for opt in options
+        .iter()
+        .flat_map(|o| o.split(','))
+        .map(str::trim)
+        .filter(|o| !o.is_empty())
+    {
+        match opt {
+            "allow_other" => cfg.acl = SessionACL::All,
+            "allow_root" => cfg.acl = SessionACL::RootAndOwner,
+            "ro" | "default_permissions" | "nodev" | "nosuid" => {}
+            "rw" => return Err(Error::new("-o rw: the view is read-only")),
+            "auto_unmount" => opts.push(MountOption::AutoUnmount),
+            "exec" => opts.push(MountOption::Exec),
+            "noexec" => opts.push(MountOption::NoExec),
+            "atime" => opts.push(MountOption::Atime),
+            "noatime" => opts.push(MountOption::NoAtime),
+            o if o.starts_with("fsname=") => opts[0] = MountOption::FSName(o[7..].into()),
+            o if o.starts_with("subtype=") => opts[1] = MountOption::Subtype(o[8..].into()),
+            o => opts.push(MountOption::CUSTOM(o.into())),
+        }
+    }
+    cfg.mount_options = opts;
+    cfg.n_threads = Some(threads.max(1));
+    cfg.clone_fd = true;
+    Ok(cfg)
+}
+
+enum Event {
+    Signal(i32),
+    Ended(std::io::Result<()>),
+}
+
+/// Mount and serve until unmounted or signalled. `ready` is called once the mount answers,
+/// or with the error that stopped it.
+pub fn serve(args: &Args, prepared: Prepared, ready: impl FnOnce(Result<()>)) -> Result<()> {
+    let (tx, rx) = mpsc::channel();
+    let view = Arc::new(prepared.view);
+    let mode = Arc::new(prepared.mode);
+    let mut unmounter = match start_session(args, view.clone(), mode.clone(), tx) {
+        Ok(u) => u,
+        Err(e) => {
+            ready(Err(e.clone()));
+            return Err(e);
+        }
+    };
+    // The handshake is done; a stat through the kernel proves the mount answers.
+    if let Err(e) = std::fs::metadata(args.mountpoint()) {
+        let err = Error::at(
+            args.mountpoint(),
+            format!("mounted but does not answer ({e})"),
+        );
+        let _ = unmounter.unmount();
+        ready(Err(err.clone()));
+        return Err(err);
+    }
+    raise_readahead(args.mountpoint(), args.readahead);
+    let _status = start_status(args, view, mode);
+    ready(Ok(()));
+    log::info!(
+        "mounted {} at {}",
+        args.sealed().display(),
+        args.mountpoint().display()
+    );
+    wait_for_end(args.mountpoint(), &rx, unmounter)
+}
+
+/// Catch signals, mount, and run the session and the signal watcher on threads of their
+/// own that report to `events`.
+fn start_session(
+    args: &Args,
+    view: Arc<View>,
+    mode: Arc<ServeMode>,
+    events: mpsc::Sender<Event>,
+) -> Result<Unmounter> {
+    // Signals are caught before mounting, so none can end the process with the mount left.
+    let mut signals =
+        signal_hook::iterator::Signals::new([libc::SIGTERM, libc::SIGINT, libc::SIGHUP])
+            .map_err(|e| Error::new(format!("cannot handle signals ({e})")))?;
+    let cfg = fuse_config(args.sealed(), &args.options, args.threads)?;
+    let fs = KllmFs::new(view, mode, args.cache_size).on_destroy(Box::new(|| {
+        log::info!("session ended; exiting");
+        std::process::exit(0)
+    }));
+    // As root mount(2) as `fuse.kllm-mount` with the sealed path as source, else through
+    // fusermount3 (src/kernel_mount.rs).
+    let (session, unmounter) =
+        crate::kernel_mount::mount(fs, args.mountpoint(), &cfg).map_err(|e| {
+            let hint = if e.kind() == std::io::ErrorKind::NotFound {
+                " (is fuse3 installed? fusermount3 was not found)"
+            } else {
+                ""
+            };
+            Error::at(args.mountpoint(), format!("cannot mount ({e}){hint}"))
+        })?;
+    let ended = events.clone();
+    spawn("kllm-session", move || {
+        let _ = ended.send(Event::Ended(session.run()));
+    })?;
+    spawn("kllm-signals", move || {
+        if let Some(sig) = signals.forever().next() {
+            let _ = events.send(Event::Signal(sig));
+        }
+    })?;
+    Ok(unmounter)
+}
+
+/// The status socket (`kllm-mount --status`), its gauges read at each request. A mount
+/// without one still serves: the socket is for watching, not for reading the model.
+fn start_status(args: &Args, view: Arc<View>, mode: Arc<ServeMode>) -> Option<StatusServer> {
+    let stats = view.stats().clone();
+    let (now, _) = mode.describe();
+    let extra = move || {
+        let stats = view.stats();
+        stats.cache_bytes.store(
+            view.cache().held_bytes(),
+            std::sync::atomic::Ordering::Relaxed,
+        );
+        let backing = mode.memory().and_then(|m| m.used().ok()).unwrap_or(0);
+        stats
+            .backing_bytes
+            .store(backing, std::sync::atomic::Ordering::Relaxed);
+        let (name, why) = mode.describe();
+        serde_json::json!({
+            "mode": name,
+            "mode_reason": why,
+            "cache_capacity": view.cache().capacity_bytes(),
+            "backing_budget": mode.memory().map(|m| m.budget()),
+        })
+    };
+    match StatusServer::start(args.mountpoint(), args.sealed(), now, stats, extra) {
+        Ok(s) => Some(s),
+        Err(e) => {
+            log::warn!("no status socket: {e}");
+            None
+        }
+    }
+}
+
+fn spawn(name: &str, f: impl FnOnce() + Send + 'static) -> Result<()> {
+    std::thread::Builder::new()
+        .name(name.into())
+        .spawn(f)
+        .map(drop)
+        .map_err(|e| Error::new(format!("cannot start the {name} thread ({e})")))
+}
+
+/// Serve until the session ends (unmounted from outside) or a signal asks to unmount.
+fn wait_for_end(
+    mountpoint: &Path,
+    events: &mpsc::Receiver<Event>,
+    mut unmounter: Unmounter,
+) -> Result<()> {
+    match events.recv() {
+        Ok(Event::Signal(sig)) => {
+            log::info!("signal {sig}: unmounting {}", mountpoint.display());
+            if let Err(e) = unmounter.unmount() {
+                // Busy (files open): detach lazily; the exit below then ends the connection.
+                log::info!(
+                    "unmount of {} failed ({e}); detaching it",
+                    mountpoint.display()
+                );
+                if let Err(e) = detach(mountpoint) {
+                    log::error!("cannot unmount {}: {e}", mountpoint.display());
+                }
+            }
+            // Open files keep a lazily detached mount alive; the process exit that follows
+            // closes the connection, and their reads then fail instead of hanging.
+            let _ = events.recv_timeout(Duration::from_secs(2));
+            Ok(())
+        }
+        Ok(Event::Ended(Ok(()))) | Err(_) => {
+            log::info!("{} was unmounted", mountpoint.display());
+            Ok(())
+        }
+        Ok(Event::Ended(Err(e))) => Err(Error::new(format!("the FUSE session failed: {e}"))),
+    }
+}
+
+/// The kernel offers a FUSE mount 128 KiB of readahead, and no more can be asked for at
+/// INIT; its backing device's `read_ahead_kb` can be raised afterwards (root only). Larger
+/// windows mean more requests in flight, decoded side by side, and fewer round trips.
+fn raise_readahead(mountpoint: &Path, bytes: u64) {
+    use std::os::unix::fs::MetadataExt;
+    if bytes == 0 {
+        return;
+    }
+    let Ok(meta) = std::fs::metadata(mountpoint) else {
+        return;
+    };
+    let dev = meta.dev();
+    let (major, minor) = (libc::major(dev), libc::minor(dev));
+    let knob = format!("/sys/class/bdi/{major}:{minor}/read_ahead_kb");
+    let kb = bytes.div_ceil(1024);
+    match std::fs::write(&knob, kb.to_string()) {
+        Ok(()) => log::debug!("{knob} set to {kb}"),
+        Err(e) => log::debug!("cannot raise {knob} ({e}); reads stay at the kernel's window"),
+    }
+}
+
+/// Lazy unmount: `umount2(MNT_DETACH)` as root, else `fusermount3 -u -z`.
+fn detach(mountpoint: &Path) -> std::io::Result<()> {
+    use std::os::unix::ffi::OsStrExt;
+    let c = std::ffi::CString::new(mountpoint.as_os_str().as_bytes())?;
+    // SAFETY: a NUL-terminated path and a valid flag.
+    if unsafe { libc::umount2(c.as_ptr(), libc::MNT_DETACH) } == 0 {
+        return Ok(());
+    }
+    let status = std::process::Command::new("fusermount3")
+        .arg("-u")
+        .arg("-z")
+        .arg(mountpoint)
+        .status()?;
+    if status.success() {
+        Ok(())
+    } else {
+        Err(std::io::Error::other(format!(
+            "fusermount3 -u -z exited with {status}"
+        )))
+    }
+}
+
+/// Fork a daemon that mounts; the parent exits 0 once the mount answers, or 1 with the
+/// daemon's error line. No thread exists yet, so forking is safe.
+pub fn daemonize(args: &Args, prepared: Prepared) -> ! {
+    let mut fds = [0i32; 2];
+    // SAFETY: pipe2 fills two descriptors we then own.
+    if unsafe { libc::pipe2(fds.as_mut_ptr(), libc::O_CLOEXEC) } != 0 {
+        fail(&Error::new(format!(
+            "cannot create a pipe ({})",
+            std::io::Error::last_os_error()
+        )));
+    }
+    // SAFETY: both descriptors were just created and are owned here alone.
+    let (rd, wr) = unsafe { (OwnedFd::from_raw_fd(fds[0]), OwnedFd::from_raw_fd(fds[1])) };
+    // SAFETY: single-threaded here (no thread was started yet).
+    match unsafe { libc::fork() } {
+        -1 => fail(&Error::new(format!(
+            "cannot fork ({})",
+            std::io::Error::last_os_error()
+        ))),
+        0 => {
+            drop(rd);
+            // SAFETY: detaching from the terminal and pointing stdio at /dev/null, in the child.
+            unsafe {
+                libc::setsid();
+                let null = libc::open(c"/dev/null".as_ptr(), libc::O_RDWR);
+                if null >= 0 {
+                    libc::dup2(null, 0);
+                    libc::dup2(null, 1);
+                    libc::dup2(null, 2);
+                    if null > 2 {
+                        libc::close(null);
+                    }
+                }
+            }
+            let mut wr = std::fs::File::from(wr);
+            let result = serve(args, prepared, |status| {
+                let msg = match status {
+                    Ok(()) => "OK\n".to_string(),
+                    Err(e) => format!("ERR {e}\n"),
+                };
+                let _ = wr.write_all(msg.as_bytes());
+                drop(wr);
+            });
+            std::process::exit(if result.is_ok() { 0 } else { 1 });
+        }
+        _child => {
+            drop(wr);
+            drop(prepared);
+            let mut status = String::new();
+            let _ = std::fs::File::from(rd).read_to_string(&mut status);
+            match status.strip_prefix("ERR ") {
+                _ if status.starts_with("OK") => std::process::exit(0),
+                Some(msg) => fail(&Error::new(msg.trim_end())),
+                None => fail(&Error::new(
+                    "the mount daemon exited before the mount was ready",
+                )),
+            }
+        }
+    }
+}
