@@ -40,10 +40,13 @@ pub struct Args {
     /// Stay in the foreground (containers, systemd).
     #[arg(short = 'f', long)]
     pub foreground: bool,
-    /// Budget of the decoded-data cache (K/M/G suffixes; 0 disables it).
+    /// Budget of decoded data kept with no open file (K/M/G suffixes; 0 disables it): FUSE-mode
+    /// blocks, and in passthrough mode whole shards after their last close.
     #[arg(long, value_name = "SIZE", default_value = "256M", value_parser = parse_size)]
     pub cache_size: u64,
-    /// FUSE options, comma-separated (e.g. allow_other; never on by default).
+    /// FUSE options, comma-separated (e.g. allow_other; never on by default). Every long option
+    /// above is also taken here as name=value (key=FILE, cache_size=1G, foreground, ...), as
+    /// mount(8) and fstab pass them.
     #[arg(short = 'o', value_name = "OPTIONS")]
     pub options: Vec<String>,
     /// The kernel's readahead window for the mount (K/M/G suffixes). Sequential readers
