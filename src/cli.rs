@@ -45,7 +45,7 @@ pub struct Args {
     #[arg(long, value_name = "SIZE", default_value = "256M", value_parser = parse_size)]
     pub cache_size: u64,
     /// FUSE options, comma-separated (e.g. allow_other; never on by default). Every long option
-    /// above is also taken here as name=value (key=FILE, cache_size=1G, foreground, ...), as
+    /// is also taken here as name=value (key=FILE, cache_size=1G, foreground, ...), as
     /// mount(8) and fstab pass them.
     #[arg(short = 'o', value_name = "OPTIONS")]
     pub options: Vec<String>,
