@@ -28,6 +28,7 @@ use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use common::harness::*;
+use common::Sample;
 use kllm_mount::blob;
 use kllm_mount::key::ModelKey;
 use kllm_mount::lock::Version;
@@ -51,44 +52,9 @@ fn key() -> ModelKey {
 // Sealed samples and the expected view
 // ---------------------------------------------------------------------------------------
 
-/// A temporary directory (mode 0755, so other users can reach mounts inside it) holding
-/// `plain/`, `sealed/` and `kllm.key`.
-struct Sample {
-    tmp: TempDir,
-}
-
 impl Sample {
-    /// A sample checkpoint, plus whatever `extra` writes into the plain directory, sealed
-    /// with `lock`.
-    fn new(hidden: usize, layers: usize, lock: Option<Version>, extra: impl FnOnce(&Path)) -> Self {
-        let tmp = tempfile::Builder::new()
-            .prefix("kllm-hardening.")
-            .tempdir()
-            .unwrap();
-        fs::set_permissions(tmp.path(), fs::Permissions::from_mode(0o755)).unwrap();
-        let s = Sample { tmp };
-        testseal::write_sample_model(&s.plain(), hidden, layers).unwrap();
-        extra(&s.plain());
-        testseal::seal_dir(&s.plain(), &s.sealed(), &key(), lock, [3; 16]).unwrap();
-        fs::write(s.key_file(), testseal::open_key_file(&key())).unwrap();
-        s
-    }
-
     fn small() -> Self {
-        Sample::new(64, 2, Some(Version::V2), |_| {})
-    }
-
-    fn root(&self) -> PathBuf {
-        fs::canonicalize(self.tmp.path()).unwrap()
-    }
-    fn plain(&self) -> PathBuf {
-        self.root().join("plain")
-    }
-    fn sealed(&self) -> PathBuf {
-        self.root().join("sealed")
-    }
-    fn key_file(&self) -> PathBuf {
-        self.root().join("kllm.key")
+        Sample::new(KEY, 64, 2, Some(Version::V2), |_| {})
     }
 }
 
@@ -299,7 +265,7 @@ struct HeaderOutcomes {
 /// Flip one bit of every byte of a locked shard's length prefix and header, and decode the
 /// whole file as the mount would.
 fn alter_every_header_byte(bit: u8) -> HeaderOutcomes {
-    let s = Sample::new(16, 1, Some(Version::V2), |_| {});
+    let s = Sample::new(KEY, 16, 1, Some(Version::V2), |_| {});
     let rel = &locked_shards(&s.sealed())[0];
     let path = s.sealed().join(rel);
     let sealed = fs::read(&path).unwrap();
@@ -383,7 +349,7 @@ struct Tamper {
 }
 
 fn mounted_for_tamper() -> Tamper {
-    let s = Sample::new(128, 2, Some(Version::V2), |_| {});
+    let s = Sample::new(KEY, 128, 2, Some(Version::V2), |_| {});
     let rel = locked_shards(&s.sealed())[0].clone();
     let view = view_files(&s.sealed());
     let want = view[&rel].clone();
@@ -749,7 +715,7 @@ fn symlinks_inside_are_followed_outside_ones_are_not_shown() {
 
 #[test]
 fn symlink_to_a_folder_never_hides_the_folder() {
-    let s = Sample::new(16, 1, Some(Version::V2), |plain| {
+    let s = Sample::new(KEY, 16, 1, Some(Version::V2), |plain| {
         fs::create_dir(plain.join("sub")).unwrap();
         fs::write(plain.join("sub/model.safetensors"), small_shard(11)).unwrap();
     });
@@ -818,7 +784,7 @@ fn plain_file_swapped_for_a_symlink_after_mount_is_not_followed() {
 /// (openat2 RESOLVE_BENEATH | RESOLVE_NO_SYMLINKS), or opened at mount time.
 #[test]
 fn pass_through_file_under_a_folder_swapped_for_a_link_is_not_followed() {
-    let s = Sample::new(16, 1, Some(Version::V2), |plain| {
+    let s = Sample::new(KEY, 16, 1, Some(Version::V2), |plain| {
         fs::create_dir(plain.join("sub")).unwrap();
         fs::write(plain.join("sub/notes.txt"), "notes ".repeat(50)).unwrap();
     });
@@ -866,7 +832,7 @@ fn header_with_100k_tensors() {
     let mut md = serde_json::Map::new();
     md.insert("format".into(), "pt".into());
     let t0 = Instant::now();
-    let s = Sample::new(16, 1, Some(Version::V2), |plain| {
+    let s = Sample::new(KEY, 16, 1, Some(Version::V2), |plain| {
         fs::write(
             plain.join("huge.safetensors"),
             safetensors_bytes(&tensors, &md),
@@ -969,7 +935,7 @@ fn small_shard(seed: u64) -> Vec<u8> {
 fn deep_folders() {
     const DEPTH: usize = 64;
     let rel_dir: PathBuf = (0..DEPTH).map(|i| format!("d{i:02}")).collect();
-    let s = Sample::new(16, 1, Some(Version::V2), |plain| {
+    let s = Sample::new(KEY, 16, 1, Some(Version::V2), |plain| {
         let dir = plain.join(&rel_dir);
         fs::create_dir_all(&dir).unwrap();
         fs::write(dir.join("model.safetensors"), small_shard(5)).unwrap();
@@ -1011,7 +977,7 @@ fn odd_names() {
     ];
     let long = "L".repeat(255);
     let odd_dir = "dir with space/ü ñ/new\nline";
-    let s = Sample::new(16, 1, Some(Version::V2), |plain| {
+    let s = Sample::new(KEY, 16, 1, Some(Version::V2), |plain| {
         for (i, n) in names
             .iter()
             .chain(std::iter::once(&long.as_str()))
@@ -1100,7 +1066,7 @@ fn allowed_fd(target: &str, flags: i32, sealed: &Path) -> Result<(), String> {
 
 #[test]
 fn nothing_plain_reaches_a_disk_during_a_full_read() {
-    let s = Sample::new(512, 4, Some(Version::V2), |_| {});
+    let s = Sample::new(KEY, 512, 4, Some(Version::V2), |_| {});
     let view = view_files(&s.sealed());
     let m = mount_sample(&s, &["--cache-size", "64M"]);
     let pid = m.pid;
@@ -1309,7 +1275,7 @@ fn daemon_is_not_dumpable_and_writes_no_core() {
         );
         return;
     }
-    let s = Sample::new(128, 2, Some(Version::V2), |_| {});
+    let s = Sample::new(KEY, 128, 2, Some(Version::V2), |_| {});
     let rel = locked_shards(&s.sealed())[0].clone();
     let want = view_files(&s.sealed())[&rel].clone();
     let m = mount_with(
@@ -1361,7 +1327,7 @@ fn daemon_is_not_dumpable_and_writes_no_core() {
 /// gets a warning) marked MADV_DONTDUMP.
 #[test]
 fn decoded_buffers_are_locked_in_memory() {
-    let s = Sample::new(512, 4, Some(Version::V2), |_| {});
+    let s = Sample::new(KEY, 512, 4, Some(Version::V2), |_| {});
     let m = mount_sample(&s, &["--cache-size", "64M"]);
     for rel in locked_shards(&s.sealed()) {
         read_direct(&m.path(&rel)).unwrap();
@@ -1532,7 +1498,7 @@ fn memory_lock_refused_gives_a_warning_and_still_serves() {
         eprintln!("skipped: no setpriv");
         return;
     }
-    let s = Sample::new(256, 2, Some(Version::V2), |_| {});
+    let s = Sample::new(KEY, 256, 2, Some(Version::V2), |_| {});
     let view = view_files(&s.sealed());
     let log = s.root().join("daemon.log");
     let key_file = s.key_file();

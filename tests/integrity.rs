@@ -4,6 +4,7 @@
 
 mod common;
 
+use std::collections::BTreeMap;
 use std::fs::{self, File, OpenOptions};
 use std::os::unix::fs::FileExt;
 use std::path::{Path, PathBuf};
@@ -11,68 +12,36 @@ use std::process::Output;
 use std::time::{Duration, Instant};
 
 use common::*;
-use kllm_mount::key::ModelKey;
 use kllm_mount::lock::Version;
-use kllm_mount::sealed::{self, Options};
-use kllm_mount::testseal;
 use serde_json::{json, Value};
 use sha2::{Digest, Sha256};
-use tempfile::TempDir;
 
 const KEY: [u8; 32] = [0x3c; 32];
 const EIO: i32 = libc::EIO;
 const SHARD: &str = "model-00002-of-00002.safetensors";
 const MODES: [&str; 2] = ["passthrough", "fuse"];
 
-/// A sealed sample with a manifest in kLLM's layout, and its view as the core reads it.
-struct Sample {
-    tmp: TempDir,
-    view: Vec<(String, Vec<u8>)>,
+/// A sealed sample with a manifest in kLLM's layout, and its view.
+struct Fixture {
+    s: Sample,
+    view: BTreeMap<String, Vec<u8>>,
 }
 
-impl Sample {
-    fn new() -> Sample {
-        let tmp = tempfile::Builder::new()
-            .prefix("kllm-integrity.")
-            .tempdir()
-            .unwrap();
-        let root = tmp.path();
-        let key = ModelKey::new(KEY);
-        testseal::write_sample_model(&root.join("plain"), 256, 2).unwrap();
-        let sealed = root.join("sealed");
-        testseal::seal_dir(
-            &root.join("plain"),
-            &sealed,
-            &key,
-            Some(Version::V2),
-            [2; 16],
-        )
-        .unwrap();
-        fs::write(root.join("kllm.key"), testseal::open_key_file(&key)).unwrap();
-        let opts = Options {
-            cache_bytes: 0,
-            ..Options::default()
-        };
-        let core = sealed::open(&sealed, &key, &"test", &opts).unwrap();
-        let view = core
-            .file_paths()
-            .into_iter()
-            .map(|(rel, ino)| {
-                let size = core.node(ino).unwrap().attr.size as usize;
-                (rel, core.read(ino, 0, size).unwrap().to_vec())
-            })
-            .collect();
-        let s = Sample { tmp, view };
-        s.write_manifest(&s.sealed().join("kllm-manifest.json"));
-        s
+impl Fixture {
+    fn new() -> Fixture {
+        let s = Sample::new(KEY, 256, 2, Some(Version::V2), |_| {});
+        let view = s.view();
+        let f = Fixture { s, view };
+        f.write_manifest(&f.sealed().join("kllm-manifest.json"));
+        f
     }
 
     fn sealed(&self) -> PathBuf {
-        self.tmp.path().join("sealed")
+        self.s.sealed()
     }
 
     fn bytes(&self, rel: &str) -> &[u8] {
-        &self.view.iter().find(|(r, _)| r == rel).unwrap().1
+        &self.view[rel]
     }
 
     /// A manifest of the sealed directory as kLLM's catalog writes it.
@@ -91,10 +60,7 @@ impl Sample {
     }
 
     fn args(&self, extra: &[&str]) -> Vec<String> {
-        let mut a = vec![
-            "--key".to_string(),
-            self.tmp.path().join("kllm.key").display().to_string(),
-        ];
+        let mut a = vec!["--key".to_string(), self.s.key_file().display().to_string()];
         a.extend(extra.iter().map(|s| s.to_string()));
         a
     }
@@ -159,7 +125,7 @@ fn assert_reads_fail(m: &Mnt, rel: &str, label: &str) {
 
 #[test]
 fn untouched_files_are_verified_and_served_in_each_mode() {
-    let s = Sample::new();
+    let s = Fixture::new();
     for mode in MODES {
         let m = Mnt::new();
         s.mount(&m, &["--mode", mode]);
@@ -220,14 +186,14 @@ fn the_real_kllm_manifest_guards_its_model() {
 }
 
 /// Where to flip a bit of a file, from the sample's bytes (from the end when negative).
-type Where = dyn Fn(&Sample) -> i64;
+type Where = dyn Fn(&Fixture) -> i64;
 
 /// Each region of a sealed model altered after sealing, in each mode: the file fails with
 /// EIO (never other bytes), the others still read, the log names it, status counts it,
 /// and `--verify mount` refuses naming it.
 #[test]
 fn altered_files_fail_with_eio_in_each_mode() {
-    let header = |s: &Sample| {
+    let header = |s: &Fixture| {
         // Inside the shard's JSON header, where the change still parses: "pt" -> "qt".
         let b = fs::read(s.sealed().join(SHARD)).unwrap();
         let n = u64::from_le_bytes(b[..8].try_into().unwrap()) as usize;
@@ -241,14 +207,14 @@ fn altered_files_fail_with_eio_in_each_mode() {
         ("the config", "config.json", Box::new(|_| 5)),
     ];
     for (region, rel, at) in cases {
-        let s = Sample::new();
+        let s = Fixture::new();
         flip(&s.sealed(), rel, at(&s));
         for mode in MODES {
             let label = format!("{region}, --mode {mode}");
             let m = Mnt::new();
             s.mount(&m, &["--mode", mode]);
             assert_reads_fail(&m, rel, &label);
-            for (other, want) in s.view.iter().filter(|(r, _)| r != rel) {
+            for (other, want) in s.view.iter().filter(|(r, _)| r.as_str() != rel) {
                 let got = fs::read(m.path(other));
                 assert!(
                     got.as_deref().ok() == Some(&want[..]),
@@ -283,7 +249,7 @@ fn altered_files_fail_with_eio_in_each_mode() {
 
 #[test]
 fn an_altered_blob_is_refused_at_mount() {
-    let s = Sample::new();
+    let s = Fixture::new();
     flip(&s.sealed(), "trusted.kllm", -40);
     let m = Mnt::new();
     let out = s.try_mount(&m, &[]);
@@ -296,7 +262,7 @@ fn an_altered_blob_is_refused_at_mount() {
 #[test]
 fn missing_extra_and_pinned_manifests() {
     // A listed file that is missing: refused at mount, naming it.
-    let s = Sample::new();
+    let s = Fixture::new();
     fs::remove_file(s.sealed().join("tokenizer_config.json")).unwrap();
     let m = Mnt::new();
     let out = s.try_mount(&m, &[]);
@@ -308,7 +274,7 @@ fn missing_extra_and_pinned_manifests() {
     );
 
     // A file the manifest does not list is not shown.
-    let s = Sample::new();
+    let s = Fixture::new();
     fs::write(s.sealed().join("extra.py"), b"print('not sealed')").unwrap();
     let m = Mnt::new();
     s.mount(&m, &[]);
@@ -317,8 +283,8 @@ fn missing_extra_and_pinned_manifests() {
     drop(m);
 
     // Pinned: the right value mounts, another is refused, a pin without a manifest too.
-    let s = Sample::new();
-    let outside = s.tmp.path().join("catalog.json");
+    let s = Fixture::new();
+    let outside = s.s.root().join("catalog.json");
     let pin = s.write_manifest(&outside);
     fs::remove_file(s.sealed().join("kllm-manifest.json")).unwrap();
     let m = Mnt::new();
@@ -353,7 +319,7 @@ fn missing_extra_and_pinned_manifests() {
 
 #[test]
 fn a_verified_file_rewritten_later_fails() {
-    let s = Sample::new();
+    let s = Fixture::new();
     let m = Mnt::new();
     s.mount(&m, &["--mode", "fuse", "--cache-size", "0"]);
     let f = open_direct(&m.path("tokenizer_config.json"));
@@ -366,7 +332,7 @@ fn a_verified_file_rewritten_later_fails() {
 
 #[test]
 fn status_counts_what_was_read() {
-    let s = Sample::new();
+    let s = Fixture::new();
     let m = Mnt::new();
     s.mount(&m, &["--mode", "fuse", "--cache-size", "0"]);
     let st = status(&m);

@@ -4,6 +4,7 @@
 
 mod common;
 
+use std::collections::BTreeMap;
 use std::fs::{self, File};
 use std::os::unix::fs::{FileExt, PermissionsExt};
 use std::os::unix::process::CommandExt;
@@ -14,71 +15,36 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use common::*;
-use kllm_mount::key::ModelKey;
 use kllm_mount::lock::Version;
-use kllm_mount::sealed::{self, Options};
-use kllm_mount::testseal;
-use tempfile::TempDir;
 
 const KEY: [u8; 32] = [0x5a; 32];
 const NOBODY: u32 = 65534;
 const BIG: &str = "model-00002-of-00002.safetensors";
 const SMALL: &str = "model-00001-of-00002.safetensors";
 
-/// A sealed sample (a 6 MiB and a small shard) in a directory other users can reach, and
-/// its view as the core reads it.
-struct Sample {
-    tmp: TempDir,
-    view: Vec<(String, Vec<u8>)>,
+/// A sealed sample (a 6 MiB and a small shard) and its view.
+struct Fixture {
+    s: Sample,
+    view: BTreeMap<String, Vec<u8>>,
 }
 
-impl Sample {
-    fn new() -> Sample {
-        let tmp = tempfile::Builder::new()
-            .prefix("kllm-passthrough.")
-            .tempdir()
-            .unwrap();
-        fs::set_permissions(tmp.path(), fs::Permissions::from_mode(0o755)).unwrap();
-        let root = tmp.path();
-        let key = ModelKey::new(KEY);
-        testseal::write_sample_model(&root.join("plain"), 512, 4).unwrap();
-        testseal::seal_dir(
-            &root.join("plain"),
-            &root.join("sealed"),
-            &key,
-            Some(Version::V2),
-            [4; 16],
-        )
-        .unwrap();
-        let key_file = root.join("kllm.key");
-        fs::write(&key_file, testseal::open_key_file(&key)).unwrap();
-        fs::set_permissions(&key_file, fs::Permissions::from_mode(0o644)).unwrap();
-        let opts = Options {
-            cache_bytes: 0,
-            ..Options::default()
-        };
-        let core = sealed::open(&root.join("sealed"), &key, &"test", &opts).unwrap();
-        let view = core
-            .file_paths()
-            .into_iter()
-            .map(|(rel, ino)| {
-                let size = core.node(ino).unwrap().attr.size as usize;
-                (rel, core.read(ino, 0, size).unwrap().to_vec())
-            })
-            .collect();
-        Sample { tmp, view }
+impl Fixture {
+    fn new() -> Fixture {
+        let s = Sample::new(KEY, 512, 4, Some(Version::V2), |_| {});
+        let view = s.view();
+        Fixture { s, view }
     }
 
     fn sealed(&self) -> PathBuf {
-        self.tmp.path().join("sealed")
+        self.s.sealed()
     }
 
     fn key_file(&self) -> PathBuf {
-        self.tmp.path().join("kllm.key")
+        self.s.key_file()
     }
 
     fn bytes(&self, rel: &str) -> &[u8] {
-        &self.view.iter().find(|(r, _)| r == rel).unwrap().1
+        &self.view[rel]
     }
 
     /// Mount in the background with a debug log at `log`; the daemon's pid.
@@ -121,7 +87,7 @@ fn mode_line(log: &Path) -> String {
 
 #[test]
 fn one_decode_for_many_readers_shared_across_processes() {
-    let s = Sample::new();
+    let s = Fixture::new();
     let m = Mnt::new();
     let log = m.scratch().join("log");
     s.mount(&m, &log, &["--mode", "passthrough", "--cache-size", "0"]);
@@ -168,7 +134,7 @@ fn one_decode_for_many_readers_shared_across_processes() {
 
 #[test]
 fn closed_shards_are_kept_within_the_cache_budget() {
-    let s = Sample::new();
+    let s = Fixture::new();
     let m = Mnt::new();
     let log = m.scratch().join("log");
     s.mount(&m, &log, &["--mode", "passthrough", "--cache-size", "64M"]);
@@ -189,7 +155,7 @@ fn wait_for(mut f: impl FnMut() -> bool) {
 
 #[test]
 fn forced_fuse_mode_serves_everything_through_the_daemon() {
-    let s = Sample::new();
+    let s = Fixture::new();
     let m = Mnt::new();
     let log = m.scratch().join("log");
     s.mount(&m, &log, &["--mode", "fuse"]);
@@ -204,7 +170,7 @@ fn forced_fuse_mode_serves_everything_through_the_daemon() {
 
 #[test]
 fn over_budget_opens_fall_back_to_fuse() {
-    let s = Sample::new();
+    let s = Fixture::new();
     let m = Mnt::new();
     let log = m.scratch().join("log");
     s.mount(
@@ -253,7 +219,7 @@ fn without_root_passthrough_falls_back_or_is_refused() {
         eprintln!("skipped: needs root to become another user");
         return;
     }
-    let s = Sample::new();
+    let s = Fixture::new();
     let m = Mnt::new();
     for dir in [m.scratch(), &m.mp] {
         fs::set_permissions(dir, fs::Permissions::from_mode(0o777)).unwrap();
@@ -309,7 +275,7 @@ fn without_root_passthrough_falls_back_or_is_refused() {
 
 #[test]
 fn sigterm_with_files_open_and_mapped_leaves_no_mount_and_no_hung_reader() {
-    let s = Sample::new();
+    let s = Fixture::new();
     let m = Mnt::new();
     let log = m.scratch().join("log");
     let pid = s.mount(&m, &log, &["--mode", "passthrough"]);
@@ -406,7 +372,7 @@ fn fds_of(pid: i32) -> Vec<Fd> {
 #[test]
 fn decoded_bytes_live_only_in_private_memory() {
     const TMPFS_MAGIC: i64 = 0x0102_1994;
-    let s = Sample::new();
+    let s = Fixture::new();
     let m = Mnt::new();
     let log = m.scratch().join("log");
     let pid = s.mount(&m, &log, &["--mode", "passthrough", "--cache-size", "64M"]);

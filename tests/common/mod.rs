@@ -1,9 +1,12 @@
 //! Shared by the integration tests and the stress example: the sealed cases and their
-//! expected views (`vectors`), and the kernel-mount harness (`harness`).
+//! expected views (`vectors`), samples sealed by the project's own sealer (`sample`), and the
+//! kernel-mount harness (`harness`).
 #![allow(dead_code, unused_imports)]
 
 pub mod harness;
+pub mod sample;
 pub mod vectors;
 
 pub use harness::*;
+pub use sample::Sample;
 pub use vectors::*;
