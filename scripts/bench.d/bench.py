@@ -915,7 +915,8 @@ def report(b, info, decode_table, cmdline, started, elapsed):
       f"{info['bindfs']}; {info['gocryptfs'].split(';')[0]}; {info['fusermount3']}.  ")
     w(f"kllm: `--mode passthrough --cache-size {a.kllm_cache_size}` (the cache size is what "
       "keeps a decoded shard after its last close, so the warm re-read and later opens find "
-      f"it decoded); kllm-fuse: `--mode fuse` (default cache); both `{a.kllm_opts}`. "
+      "it decoded); kllm-fuse: `--mode fuse` (default cache); extra options for both: "
+      f"`{a.kllm_opts or '(none)'}`. "
       f"bindfs: `-r {a.bindfs_opts}`; gocryptfs: `-ro {a.gocryptfs_opts}`.  ")
     w("1-minute load average at the start of each round: "
       + ", ".join(f"{r['loadavg']:.1f}" for r in rounds)
