@@ -1123,7 +1123,9 @@ def report(b, info, decode_table, cmdline, started, elapsed):
       "cache). The daemon's RssAnon + RssFile sampled every 5 ms (its own memory); in "
       "passthrough the decoded shard is private tmpfs memory, counted in RssShmem only while "
       "the daemon maps it to fill it (so VmHWM includes it), and reported by `--status` as "
-      "backing_bytes (taken while the file is open). The MiB/s column is the first phase's.")
+      "backing_bytes (taken while the file is open). The MiB/s column is the first phase's "
+      "(in passthrough after the decode: the descriptor held open for `--status` opens the "
+      "file first).")
     w("")
     w("| round | mode | RSS after mount | peak RssAnon+RssFile | peak RssShmem | VmHWM | backing_bytes | read MiB/s |")
     w("|---|---|---:|---:|---:|---:|---:|---:|")
