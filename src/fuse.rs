@@ -124,7 +124,7 @@ impl KllmFs {
         let fill = |buf: &mut [u8]| self.view.read_whole(ino, buf);
         let started = std::time::Instant::now();
         let mut result = memory.fill(node.attr.size, fill);
-        if is_full(&result) && self.opens.drop_kept() > 0 {
+        if result.as_ref().is_err_and(is_full) && self.opens.drop_kept() > 0 {
             result = memory.fill(node.attr.size, fill);
         }
         match result {
@@ -138,11 +138,10 @@ impl KllmFs {
                 Some(Arc::new(m))
             }
             Err(e) => {
-                let why = match e {
-                    ReadError::Io(e) if e.raw_os_error() == Some(libc::ENOSPC) => {
-                        "the passthrough memory budget is full".to_string()
-                    }
-                    e => format!("not decoded whole ({e})"),
+                let why = if is_full(&e) {
+                    "the passthrough memory budget is full".to_string()
+                } else {
+                    format!("not decoded whole ({e})")
                 };
                 log::warn!("{}: {why}; served through FUSE", self.view.path_of(ino));
                 None
@@ -421,6 +420,7 @@ impl Filesystem for KllmFs {
     }
 }
 
-fn is_full<T>(r: &Result<T, ReadError>) -> bool {
-    matches!(r, Err(ReadError::Io(e)) if e.raw_os_error() == Some(libc::ENOSPC))
+/// The kernel refused memory past the private tmpfs's size: the budget is full.
+fn is_full(e: &ReadError) -> bool {
+    matches!(e, ReadError::Io(e) if e.raw_os_error() == Some(libc::ENOSPC))
 }
