@@ -36,6 +36,9 @@ pub struct Seal {
     pub root: PathBuf,
     /// `kllm.json` or `config.json`.
     pub meta_file: PathBuf,
+    /// That file as read once: the seal metadata, the view's copy and its manifest check
+    /// all come from these bytes.
+    pub meta_text: String,
     pub pipeline: bool,
     pub scheme: String,
     pub fingerprint: String,
@@ -60,13 +63,13 @@ impl Seal {
         }
         let pipeline_meta = root.join(PIPELINE_META);
         let llm_meta = root.join(LLM_META);
-        let (meta_file, pipeline, meta) = if pipeline_meta.is_file() {
-            let (_, doc) = read_json_object(&pipeline_meta)?;
-            (pipeline_meta, true, doc)
+        let (meta_file, meta_text, pipeline, meta) = if pipeline_meta.is_file() {
+            let (text, doc) = read_json_object(&pipeline_meta)?;
+            (pipeline_meta, text, true, doc)
         } else if llm_meta.is_file() {
-            let (_, doc) = read_json_object(&llm_meta)?;
+            let (text, doc) = read_json_object(&llm_meta)?;
             match doc.get("kllm") {
-                Some(Value::Object(k)) => (llm_meta, false, k.clone()),
+                Some(Value::Object(k)) => (llm_meta, text, false, k.clone()),
                 _ => {
                     return Err(Error::at(
                         root,
@@ -118,6 +121,7 @@ impl Seal {
         Ok(Seal {
             root: root.to_path_buf(),
             meta_file,
+            meta_text,
             pipeline,
             scheme,
             fingerprint,
@@ -140,14 +144,13 @@ impl Seal {
         Ok(())
     }
 
-    /// The metadata file as the view shows it: `text`, the file as read, without the lock
-    /// member.
-    pub fn unlocked_meta_text(&self, text: &str) -> Result<Option<String>> {
+    /// The metadata file as the view shows it: the same text without the lock member.
+    pub fn unlocked_meta_text(&self) -> Result<Option<String>> {
         if self.lock.is_none() {
             return Ok(None);
         }
         let within = if self.pipeline { None } else { Some("kllm") };
-        pyjson::without_member(text, within, "lock")
+        pyjson::without_member(&self.meta_text, within, "lock")
             .map(Some)
             .ok_or_else(|| {
                 Error::at(
@@ -417,18 +420,16 @@ fn build(seal: &Seal, key: &ModelKey, opts: &Options, manifest: Option<&Manifest
     walker.walk(root, Path::new(""), ROOT)?;
     let mut b = walker.b;
 
-    // The metadata file without its lock flag, checked as the bytes read.
-    let meta_bytes = fs::read(&seal.meta_file)
-        .map_err(|e| Error::at(&seal.meta_file, format!("cannot read ({e})")))?;
-    let meta_text = String::from_utf8_lossy(&meta_bytes);
+    // The metadata file without its lock flag, checked as the bytes the seal was read from.
     let meta_name = seal.meta_file.file_name().expect("a file name");
-    if let Some(text) = seal.unlocked_meta_text(&meta_text)? {
+    if let Some(text) = seal.unlocked_meta_text()? {
         if let Some(&ino) = b.children[0].get(meta_name) {
             let node = &mut b.nodes[ino as usize - 1];
             node.attr.size = text.len() as u64;
             node.content = Content::Memory(Zeroizing::new(text.into_bytes()));
             node.integrity = node.integrity.take().map(|i| {
-                Integrity::decided(i.listed_as, i.want, Sha256::digest(&meta_bytes).into())
+                let got = Sha256::digest(seal.meta_text.as_bytes()).into();
+                Integrity::decided(i.listed_as, i.want, got)
             });
         }
     }
