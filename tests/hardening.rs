@@ -73,14 +73,7 @@ fn build_view(sealed: &Path) -> kllm_mount::Result<kllm_mount::view::View> {
 /// Every file of the view, built in process (the oracle: tests/core_vectors.rs holds it to
 /// the shared vectors).
 fn view_files(sealed: &Path) -> BTreeMap<String, Vec<u8>> {
-    let view = build_view(sealed).unwrap();
-    view.file_paths()
-        .into_iter()
-        .map(|(rel, ino)| {
-            let size = view.node(ino).unwrap().attr.size as usize;
-            (rel, view.read(ino, 0, size).unwrap().to_vec())
-        })
-        .collect()
+    common::sample::files_of(&build_view(sealed).unwrap())
 }
 
 /// Where a safetensors file's data starts.

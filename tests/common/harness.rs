@@ -367,11 +367,10 @@ pub fn drop_page_cache(f: &File) {
     unsafe { libc::posix_fadvise(f.as_raw_fd(), 0, 0, libc::POSIX_FADV_DONTNEED) };
 }
 
-/// `pread` until `len` bytes or the end of the file.
-pub fn pread(f: &File, off: u64, len: usize) -> io::Result<Vec<u8>> {
-    let mut buf = vec![0u8; len];
+/// Fill `buf` from `off`, or up to the end of the file; how many bytes were read.
+fn read_full_at(f: &File, buf: &mut [u8], off: u64) -> io::Result<usize> {
     let mut got = 0;
-    while got < len {
+    while got < buf.len() {
         match f.read_at(&mut buf[got..], off + got as u64) {
             Ok(0) => break,
             Ok(n) => got += n,
@@ -379,6 +378,13 @@ pub fn pread(f: &File, off: u64, len: usize) -> io::Result<Vec<u8>> {
             Err(e) => return Err(e),
         }
     }
+    Ok(got)
+}
+
+/// `pread` until `len` bytes or the end of the file.
+pub fn pread(f: &File, off: u64, len: usize) -> io::Result<Vec<u8>> {
+    let mut buf = vec![0u8; len];
+    let got = read_full_at(f, &mut buf, off)?;
     buf.truncate(got);
     Ok(buf)
 }
@@ -392,15 +398,7 @@ pub fn pread_direct_aligned(f: &File, off: u64, len: usize) -> io::Result<Vec<u8
     let end = (off + len as u64).div_ceil(ALIGN) * ALIGN;
     let span = (end - start).max(ALIGN) as usize;
     let mut buf = memmap2::MmapMut::map_anon(span)?;
-    let mut got = 0;
-    while got < span {
-        match f.read_at(&mut buf[got..], start + got as u64) {
-            Ok(0) => break,
-            Ok(n) => got += n,
-            Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
-            Err(e) => return Err(e),
-        }
-    }
+    let got = read_full_at(f, &mut buf, start)?;
     let lo = ((off - start) as usize).min(got);
     let hi = (lo + len).min(got);
     Ok(buf[lo..hi].to_vec())

@@ -10,6 +10,7 @@ use kllm_mount::key::ModelKey;
 use kllm_mount::lock::Version;
 use kllm_mount::sealed::{self, Options};
 use kllm_mount::testseal;
+use kllm_mount::view::View;
 use tempfile::TempDir;
 
 /// `plain/`, `sealed/` and `kllm.key` (an open key file, readable by all).
@@ -67,13 +68,17 @@ impl Sample {
             cache_bytes: 0,
             ..Options::default()
         };
-        let core = sealed::open(&self.sealed(), &self.key, &"test", &opts).unwrap();
-        core.file_paths()
-            .into_iter()
-            .map(|(rel, ino)| {
-                let size = core.node(ino).unwrap().attr.size as usize;
-                (rel, core.read(ino, 0, size).unwrap().to_vec())
-            })
-            .collect()
+        files_of(&sealed::open(&self.sealed(), &self.key, &"test", &opts).unwrap())
     }
+}
+
+/// Every file of a view, read whole through the core, by path.
+pub fn files_of(view: &View) -> BTreeMap<String, Vec<u8>> {
+    view.file_paths()
+        .into_iter()
+        .map(|(rel, ino)| {
+            let size = view.node(ino).unwrap().attr.size as usize;
+            (rel, view.read(ino, 0, size).unwrap().to_vec())
+        })
+        .collect()
 }
