@@ -88,7 +88,7 @@ impl KllmFs {
         let opened = match &memory {
             Some(m) => reply.open_backing(m.file()),
             None => match self.view.verbatim_file(node) {
-                Ok(f) => reply.open_backing(f.as_ref()),
+                Ok(f) => reply.open_backing(f),
                 Err(e) => {
                     log::error!("{}: {e}", self.view.path_of(ino));
                     return None;

@@ -17,6 +17,7 @@ pub mod manifest;
 pub mod sealed;
 pub mod secmem;
 pub mod shard;
+pub mod source;
 pub mod status;
 #[cfg(feature = "seal")]
 pub mod testseal;

@@ -128,6 +128,18 @@ impl Shard {
             .metadata()
             .map_err(|e| Error::at(path, format!("cannot stat ({e})")))?
             .len();
+        let raw = |at: u64, buf: &mut [u8]| read_exact_at(file, buf, at);
+        Shard::read_header(path, file_len, &raw, shard_dir, key)
+    }
+
+    /// [`Shard::open`] of a file of `file_len` bytes that `raw` reads.
+    pub fn read_header(
+        path: &Path,
+        file_len: u64,
+        raw: &RawReader<'_>,
+        shard_dir: &str,
+        key: &ModelKey,
+    ) -> Result<Shard> {
         let mut prefix = [0u8; 8];
         if file_len < 8 {
             return Err(Error::at(
@@ -135,8 +147,7 @@ impl Shard {
                 "safetensors header is malformed (file shorter than 8 bytes)",
             ));
         }
-        read_exact_at(file, &mut prefix, 0)
-            .map_err(|e| Error::at(path, format!("cannot read ({e})")))?;
+        raw(0, &mut prefix).map_err(|e| Error::at(path, format!("cannot read ({e})")))?;
         let n = u64::from_le_bytes(prefix);
         if n > MAX_HEADER {
             return Err(Error::at(
@@ -148,8 +159,7 @@ impl Shard {
             return Err(Error::at(path, format!("safetensors header ({n} bytes) runs past the end of the file ({file_len} bytes)")));
         }
         let mut header = vec![0u8; n as usize];
-        read_exact_at(file, &mut header, 8)
-            .map_err(|e| Error::at(path, format!("cannot read ({e})")))?;
+        raw(8, &mut header).map_err(|e| Error::at(path, format!("cannot read ({e})")))?;
         Shard::from_header(path, &header, file_len, shard_dir, key)
     }
 
