@@ -11,9 +11,9 @@ use fuser::{
 };
 
 use crate::memfs::MemoryFile;
+use crate::metrics::Stats;
 use crate::passthrough::{Backing, OpenTable, Opened, Requested, ServeMode};
 use crate::secmem::SecureBuf;
-use crate::status::Stats;
 use crate::view::{Content, Ino, Kind, Node, View};
 use crate::ReadError;
 

@@ -1,12 +1,15 @@
 pub mod blob;
+pub mod digest;
 pub mod error;
 pub mod kernel_mount;
 pub mod key;
 pub mod lock;
 pub mod memfs;
+pub mod metrics;
 pub mod mounttab;
 pub mod notify;
 pub mod passthrough;
+pub mod progress;
 pub mod pyjson;
 pub use error::{Error, ReadError, Result};
 pub mod cache;
