@@ -18,8 +18,8 @@ use std::sync::Arc;
 use parking_lot::Mutex;
 
 use crate::memfs::{MemoryFile, MemoryFs};
-use crate::view::Ino;
-use crate::{Error, Result};
+use crate::view::{Content, Ino, Node, View};
+use crate::{Error, ReadError, Result};
 
 /// The serving mode asked for on the command line.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
@@ -104,6 +104,17 @@ impl ServeMode {
         }
     }
 
+    /// The kernel offered no passthrough at INIT: why, as an error if `--mode passthrough`
+    /// demanded it, else serve through FUSE.
+    pub fn kernel_offers_none(&self) -> std::result::Result<(), &'static str> {
+        let why = "the kernel offers no FUSE passthrough (Linux 6.9+ with CONFIG_FUSE_PASSTHROUGH)";
+        if self.requested == Requested::Passthrough {
+            return Err(why);
+        }
+        self.turn_off(why.into());
+        Ok(())
+    }
+
     /// The one log line saying which mode is in use and why.
     pub fn log(&self) {
         match (self.describe(), &self.memory) {
@@ -117,6 +128,152 @@ impl ServeMode {
             ),
         }
     }
+}
+
+/// Every open answered in a mode the kernel accepts: the serving mode, the handles open,
+/// and how a backing file is made. `B` is the kernel's backing handle; the adapter passes
+/// in the call that makes one from a file, so this runs without a kernel in tests.
+pub struct Opens<B> {
+    view: Arc<View>,
+    mode: Arc<ServeMode>,
+    table: OpenTable<B>,
+}
+
+impl<B> Opens<B> {
+    /// `kept_shards`: bytes of decoded shards kept after their last close, for a reopen.
+    pub fn new(view: Arc<View>, mode: Arc<ServeMode>, kept_shards: u64) -> Opens<B> {
+        Opens {
+            view,
+            mode,
+            table: OpenTable::new(kept_shards),
+        }
+    }
+
+    pub fn mode(&self) -> &ServeMode {
+        &self.mode
+    }
+
+    /// Open file `ino` in passthrough mode when possible, backed through `open_backing`,
+    /// else through FUSE. A file under a manifest opened through FUSE is hashed first (a
+    /// passthrough open checked it while decoding); a mismatch refuses the open.
+    pub fn open(
+        &self,
+        ino: Ino,
+        node: &Node,
+        open_backing: impl Fn(&std::fs::File) -> std::io::Result<B>,
+    ) -> std::result::Result<Opened<B>, ReadError> {
+        let opened = match self.mode.passthrough() {
+            Some(_) => self
+                .table
+                .open(ino, |kept| self.backing(ino, node, kept, &open_backing)),
+            None => Opened::Fuse {
+                fh: self.table.open_fuse(ino),
+            },
+        };
+        if let Opened::Fuse { fh } = opened {
+            if let Err(e) = self.view.verify(ino) {
+                self.table.release(fh);
+                return Err(e);
+            }
+        }
+        Ok(opened)
+    }
+
+    /// The kernel released handle `fh`.
+    pub fn release(&self, fh: u64) -> Option<(Ino, OpenMode)> {
+        self.table.release(fh)
+    }
+
+    /// A backing file for a passthrough open of `node`, or `None` to serve it through
+    /// FUSE: the decoded copy of a locked shard (`kept` if an earlier open left one), or
+    /// the sealed file itself for a file shown verbatim.
+    fn backing(
+        &self,
+        ino: Ino,
+        node: &Node,
+        kept: Option<Arc<MemoryFile>>,
+        open_backing: &impl Fn(&std::fs::File) -> std::io::Result<B>,
+    ) -> Option<Backing<B>> {
+        // Under a manifest a verbatim file is copied into memory as it is checked, so a
+        // later rewrite of the sealed file cannot reach the kernel unchecked.
+        let copy = match &node.content {
+            Content::Shard { .. } => true,
+            Content::Verbatim { .. } => node.integrity.is_some(),
+            Content::Memory(_) | Content::Dir(_) => return None,
+        };
+        let memory = match (copy, kept) {
+            (false, _) => None,
+            (true, Some(m)) => Some(m),
+            (true, None) => Some(self.decode(ino, node)?),
+        };
+        let opened = match &memory {
+            Some(m) => open_backing(m.file()),
+            None => match self.view.verbatim_file(node) {
+                Ok(f) => open_backing(f.as_ref()),
+                Err(e) => {
+                    log::error!("{}: {e}", self.view.path_of(ino));
+                    return None;
+                }
+            },
+        };
+        match opened {
+            Ok(id) => Some(Backing {
+                id: Arc::new(id),
+                memory,
+            }),
+            Err(e) if e.raw_os_error() == Some(libc::EPERM) => {
+                self.mode.turn_off(format!(
+                    "the kernel refuses backing files to this process ({e})"
+                ));
+                None
+            }
+            Err(e) => {
+                log::warn!(
+                    "{}: no backing file ({e}); served through FUSE",
+                    self.view.path_of(ino)
+                );
+                None
+            }
+        }
+    }
+
+    /// Decode a whole locked shard into private memory, on all cores, checking it against
+    /// the manifest at the same time. When the budget is full, shards kept after their
+    /// last close make room; failing that, the open is served through FUSE.
+    fn decode(&self, ino: Ino, node: &Node) -> Option<Arc<MemoryFile>> {
+        let memory = self.mode.passthrough()?;
+        let fill = |buf: &mut [u8]| self.view.read_whole(ino, buf);
+        let started = std::time::Instant::now();
+        let mut result = memory.fill(node.attr.size, fill);
+        if result.as_ref().is_err_and(is_full) && self.table.drop_kept() > 0 {
+            result = memory.fill(node.attr.size, fill);
+        }
+        match result {
+            Ok(m) => {
+                log::debug!(
+                    "{}: decoded {} bytes in {:?}",
+                    self.view.path_of(ino),
+                    m.len(),
+                    started.elapsed()
+                );
+                Some(Arc::new(m))
+            }
+            Err(e) => {
+                let why = if is_full(&e) {
+                    "the passthrough memory budget is full".to_string()
+                } else {
+                    format!("not decoded whole ({e})")
+                };
+                log::warn!("{}: {why}; served through FUSE", self.view.path_of(ino));
+                None
+            }
+        }
+    }
+}
+
+/// The kernel refused memory past the private tmpfs's size: the budget is full.
+fn is_full(e: &ReadError) -> bool {
+    matches!(e, ReadError::Io(e) if e.raw_os_error() == Some(libc::ENOSPC))
 }
 
 /// How one open is served.
