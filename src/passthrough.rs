@@ -515,6 +515,91 @@ mod tests {
         assert_eq!(m.describe(), ("fuse", Some("--mode fuse".to_string())));
     }
 
+    /// A sealed sample's view, passthrough on (root only), with `Opens` over a fake kernel.
+    #[cfg(feature = "seal")]
+    fn sample_opens() -> Option<(tempfile::TempDir, Arc<View>, Opens<std::fs::File>)> {
+        use crate::key::ModelKey;
+        use crate::testseal;
+        let mode = match ServeMode::choose(Requested::Auto, 64 << 20) {
+            Ok(m) if m.passthrough().is_some() => m,
+            _ => {
+                eprintln!("skipped: passthrough needs root and a private tmpfs");
+                return None;
+            }
+        };
+        let tmp = tempfile::tempdir().unwrap();
+        let (plain, sealed) = (tmp.path().join("plain"), tmp.path().join("sealed"));
+        let key = ModelKey::new([7; 32]);
+        testseal::write_sample_model(&plain, 16, 1).unwrap();
+        let lock = Some(crate::lock::Version::V2);
+        testseal::seal_dir(&plain, &sealed, &key, lock, [3; 16]).unwrap();
+        let view = crate::sealed::open(&sealed, &key, &"test", &Default::default()).unwrap();
+        let view = Arc::new(view);
+        let opens = Opens::new(view.clone(), Arc::new(mode), 0);
+        Some((tmp, view, opens))
+    }
+
+    #[cfg(feature = "seal")]
+    fn a_shard(view: &View) -> (String, Ino) {
+        view.file_paths()
+            .into_iter()
+            .find(|(_, ino)| matches!(view.node(*ino).unwrap().content, Content::Shard { .. }))
+            .expect("a locked shard")
+    }
+
+    /// The kernel's backing call, faked: the "handle" is a second descriptor of the file.
+    fn dup(f: &std::fs::File) -> std::io::Result<std::fs::File> {
+        f.try_clone()
+    }
+
+    #[cfg(feature = "seal")]
+    #[test]
+    fn a_locked_shard_is_backed_by_its_whole_decoded_copy() {
+        use std::io::Read;
+        let Some((_tmp, view, opens)) = sample_opens() else {
+            return;
+        };
+        let (path, ino) = a_shard(&view);
+        let node = view.node(ino).unwrap();
+        let Ok(Opened::Passthrough { fh, id }) = opens.open(ino, node, dup) else {
+            panic!("{path}: not opened in passthrough mode");
+        };
+        let mut backed = Vec::new();
+        (&*id).read_to_end(&mut backed).unwrap();
+        let want = view.read(ino, 0, node.attr.size as usize).unwrap();
+        assert!(
+            backed[..] == want[..],
+            "{path}: backing differs from the view"
+        );
+        assert!(opens.release(fh).is_some());
+    }
+
+    #[cfg(feature = "seal")]
+    #[test]
+    fn a_kernel_refusing_backing_files_turns_passthrough_off() {
+        let Some((_tmp, view, opens)) = sample_opens() else {
+            return;
+        };
+        let (_, ino) = a_shard(&view);
+        let node = view.node(ino).unwrap();
+        let refuse = |_: &std::fs::File| Err(std::io::Error::from_raw_os_error(libc::EPERM));
+        assert!(matches!(
+            opens.open(ino, node, refuse),
+            Ok(Opened::Fuse { .. })
+        ));
+        let (mode, why) = opens.mode().describe();
+        assert_eq!(mode, "fuse");
+        assert!(why.unwrap().contains("refuses backing files"));
+        // Later opens go through FUSE without asking the kernel.
+        let never = |_: &std::fs::File| -> std::io::Result<std::fs::File> {
+            panic!("a backing file was asked for with passthrough off")
+        };
+        assert!(matches!(
+            opens.open(ino, node, never),
+            Ok(Opened::Fuse { .. })
+        ));
+    }
+
     /// A stand-in for the kernel's backing id that counts how many exist.
     struct Id(Arc<AtomicUsize>);
     impl Drop for Id {
