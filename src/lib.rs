@@ -1,4 +1,5 @@
 pub mod blob;
+pub mod budget;
 pub mod digest;
 pub mod error;
 pub mod kernel_mount;
