@@ -8,7 +8,7 @@
 mod common;
 
 use std::ffi::OsStr;
-use std::fs::{self};
+use std::fs;
 use std::io::{self};
 use std::os::unix::fs::PermissionsExt;
 use std::os::unix::process::CommandExt;
@@ -22,7 +22,7 @@ const KEY: [u8; 32] = [0x6b; 32];
 const NOBODY: u32 = 65534;
 
 // ---------------------------------------------------------------------------------------
-// 8. Who may enter the mount
+// Who may enter the mount
 // ---------------------------------------------------------------------------------------
 
 /// Run `prog args` as nobody; its output.

@@ -9,7 +9,7 @@ mod common;
 
 use std::collections::BTreeMap;
 use std::ffi::OsStr;
-use std::fs::{self};
+use std::fs;
 use std::os::unix::ffi::OsStrExt;
 use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
@@ -25,7 +25,7 @@ use common::*;
 const KEY: [u8; 32] = [0x6b; 32];
 
 // ---------------------------------------------------------------------------------------
-// 5. 100k tensors, deep folders, odd names
+// 100k tensors, deep folders, odd names
 // ---------------------------------------------------------------------------------------
 
 #[test]

@@ -9,7 +9,7 @@
 
 mod common;
 
-use std::fs::{self};
+use std::fs;
 use std::os::unix::fs::{symlink, PermissionsExt};
 
 use kllm_mount::lock::Version;
@@ -19,7 +19,7 @@ use common::*;
 const KEY: [u8; 32] = [0x6b; 32];
 
 // ---------------------------------------------------------------------------------------
-// 4. Symbolic links
+// Symbolic links
 // ---------------------------------------------------------------------------------------
 
 #[test]

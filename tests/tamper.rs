@@ -36,7 +36,7 @@ fn key() -> ModelKey {
 }
 
 // ---------------------------------------------------------------------------------------
-// 1. Every region of trusted.kllm altered
+// Every region of trusted.kllm altered
 // ---------------------------------------------------------------------------------------
 
 /// A trusted.kllm of several chunks (128 bytes) holding two secret files.
@@ -126,7 +126,7 @@ fn every_byte_of_trusted_kllm_altered_is_refused() {
 }
 
 // ---------------------------------------------------------------------------------------
-// 2. Every byte of a locked shard's header altered
+// Every byte of a locked shard's header altered
 // ---------------------------------------------------------------------------------------
 
 #[derive(Default, Debug)]
@@ -210,7 +210,7 @@ fn no_header_alteration_serves_different_data() {
 }
 
 // ---------------------------------------------------------------------------------------
-// 3. A locked shard truncated, extended, replaced while mounted
+// A locked shard truncated, extended, replaced while mounted
 // ---------------------------------------------------------------------------------------
 
 /// A sample mounted without the decoded-block cache, its largest locked shard, that
@@ -458,6 +458,10 @@ fn shard_rewritten_with_its_time_set_back_gives_eio_or_the_old_bytes() {
     pieces_eio_or_right(m, rel, want, "rewritten in place, time set back");
     m.assert_alive("after the rewrite");
 }
+
+// ---------------------------------------------------------------------------------------
+// Seal metadata the JSON parser chokes on
+// ---------------------------------------------------------------------------------------
 
 /// Found by fuzz target seal_meta: serde_json (with `raw_value`) cannot parse a document
 /// whose key is its private marker `$serde_json::private::RawValue`, though the JSON is
