@@ -23,5 +23,7 @@ pub mod secmem;
 pub mod shard;
 pub mod status;
 #[cfg(feature = "seal")]
+pub mod testkit;
+#[cfg(feature = "seal")]
 pub mod testseal;
 pub mod view;
