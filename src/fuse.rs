@@ -10,9 +10,9 @@ use fuser::{
     ReplyDirectory, ReplyEmpty, ReplyEntry, ReplyOpen, ReplyStatfs, ReplyXattr, Request,
 };
 
+use crate::metrics::Stats;
 use crate::passthrough::{Opened, Opens, ServeMode};
 use crate::secmem::SecureBuf;
-use crate::metrics::Stats;
 use crate::view::{Ino, Kind, View};
 
 /// The view never changes while mounted, so the kernel may cache everything for long.
