@@ -12,9 +12,10 @@ use crate::blob;
 use crate::cache::BlockCache;
 use crate::key::{ModelKey, SHIPPED_KEY};
 use crate::lock::Version;
+use crate::lock::LOCK_META;
 use crate::manifest::Manifest;
 use crate::pyjson;
-use crate::shard::{Shard, LOCK_META};
+use crate::shard::Shard;
 use crate::source::{self, Entry, LocalDir, Source};
 use crate::status::Stats;
 use crate::view::{Attr, Content, Ino, Integrity, Kind, Node, View, ROOT};
@@ -123,14 +124,18 @@ impl Seal {
             Some(Value::String(v)) => Some(Version::parse(v).ok_or_else(|| {
                 Error::at(
                     &meta_file,
-                    format!("lock version {v} is not supported (this kllm-mount reads v1 and v2)"),
+                    format!(
+                        "lock version {v} is not supported (this kllm-mount reads {})",
+                        Version::supported_text()
+                    ),
                 )
             })?),
             Some(other) => {
                 return Err(Error::at(
                     &meta_file,
                     format!(
-                        "lock version {other} is not supported (this kllm-mount reads v1 and v2)"
+                        "lock version {other} is not supported (this kllm-mount reads {})",
+                        Version::supported_text()
                     ),
                 ))
             }
