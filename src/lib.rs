@@ -14,6 +14,7 @@ pub mod cli;
 pub mod daemon;
 pub mod fuse;
 pub mod manifest;
+pub mod ranges;
 pub mod sealed;
 pub mod secmem;
 pub mod shard;

@@ -2,6 +2,7 @@
 //! and decoding any byte range of the file.
 
 use std::io;
+use std::ops::Range;
 use std::path::Path;
 
 use safetensors::tensor::Metadata;
@@ -10,6 +11,7 @@ use serde_json::Value;
 
 use crate::key::ModelKey;
 use crate::lock::{document, tensor_id, LockEntry, TensorLock};
+use crate::ranges::{self, Piece};
 use crate::{Error, ReadError, Result};
 
 pub use crate::lock::LOCK_META;
@@ -162,13 +164,13 @@ impl Shard {
     ) -> std::result::Result<(), ReadError> {
         let end = off + out.len() as u64;
         debug_assert!(end <= self.file_len);
-        let mut pos = off;
-        if pos < self.data_start {
-            let upto = end.min(self.data_start);
-            out[..(upto - off) as usize]
-                .copy_from_slice(&self.view_header[off as usize..upto as usize]);
-            pos = upto;
+        let header = ranges::overlap(off..end, 0..self.data_start);
+        if !header.is_empty() {
+            out[..(header.end - off) as usize]
+                .copy_from_slice(&self.view_header[header.start as usize..header.end as usize]);
         }
+        // The header's end, or `off` when the read starts past it.
+        let pos = header.end;
         if pos >= end {
             return Ok(());
         }
@@ -213,8 +215,7 @@ impl Shard {
         let end = pos + buf.len() as u64;
         let first = self.locked.partition_point(|t| t.end <= pos);
         for t in self.locked[first..].iter().take_while(|t| t.start < end) {
-            let a = t.start.max(pos);
-            let b = t.end.min(end);
+            let Range { start: a, end: b } = ranges::overlap(t.start..t.end, pos..end);
             decode_range(
                 t,
                 a,
@@ -320,36 +321,31 @@ fn decode_range(
     };
     let rel_a = a - t.start;
     let rel_b = b - t.start;
-    let first_whole = rel_a.div_ceil(ub);
-    let last_whole = rel_b / ub;
-    let partial = |unit: u64, buf: &mut [u8]| -> std::result::Result<(), ReadError> {
+    // Units all of `ub` bytes: a cut unit at the end is read whole.
+    let total = rel_b.div_ceil(ub) * ub;
+    let cut = ranges::cut(rel_a, rel_b, ub, total);
+    let partial = |p: &Piece, buf: &mut [u8]| -> std::result::Result<(), ReadError> {
         let mut tmp = [0u8; 8];
         let tmp = &mut tmp[..ub as usize];
-        raw(t.start + unit * ub, tmp)?;
-        t.lock.decode(unit, tmp).map_err(corrupt)?;
-        let u0 = unit * ub;
-        let lo = rel_a.max(u0);
-        let hi = rel_b.min(u0 + ub);
-        buf[(lo - rel_a) as usize..(hi - rel_a) as usize]
-            .copy_from_slice(&tmp[(lo - u0) as usize..(hi - u0) as usize]);
+        let u0 = p.block * ub;
+        raw(t.start + u0, tmp)?;
+        t.lock.decode(p.block, tmp).map_err(corrupt)?;
+        buf[(p.bytes.start - rel_a) as usize..(p.bytes.end - rel_a) as usize]
+            .copy_from_slice(&tmp[(p.bytes.start - u0) as usize..(p.bytes.end - u0) as usize]);
         Ok(())
     };
-    if first_whole > last_whole {
-        // The whole range lies inside one unit.
-        return partial(rel_a / ub, buf);
+    if let Some(p) = &cut.head {
+        partial(p, buf)?;
     }
-    if rel_a % ub != 0 {
-        partial(rel_a / ub, buf)?;
-    }
-    if first_whole < last_whole {
-        let lo = (first_whole * ub - rel_a) as usize;
-        let hi = (last_whole * ub - rel_a) as usize;
+    let whole = cut.whole_bytes(ub, total);
+    if !whole.is_empty() {
+        let at = (whole.start - rel_a) as usize..(whole.end - rel_a) as usize;
         t.lock
-            .decode(first_whole, &mut buf[lo..hi])
+            .decode(cut.whole.start, &mut buf[at])
             .map_err(corrupt)?;
     }
-    if rel_b % ub != 0 {
-        partial(last_whole, buf)?;
+    if let Some(p) = &cut.tail {
+        partial(p, buf)?;
     }
     Ok(())
 }
