@@ -62,44 +62,37 @@ fn read_json_object(
     }
 }
 
-/// The file at `rel` in a listing.
-fn listed_file<'a>(entries: &'a [Entry], rel: &str) -> Option<&'a Entry> {
-    entries
-        .iter()
-        .find(|e| e.attr.kind == Kind::File && e.path == Path::new(rel))
+/// The seal metadata file of a source, if there is one: `kllm.json`, else `config.json`.
+fn meta_entry(source: &dyn Source) -> Result<Option<(Entry, bool)>> {
+    for (name, pipeline) in [(PIPELINE_META, true), (LLM_META, false)] {
+        if let Some(e) = source.stat(Path::new(name))? {
+            if e.attr.kind == Kind::File {
+                return Ok(Some((e, pipeline)));
+            }
+        }
+    }
+    Ok(None)
 }
 
 impl Seal {
     /// Read the seal metadata of the directory `root`, refusing what this mount cannot serve.
     pub fn read(root: &Path) -> Result<Seal> {
-        let source = LocalDir::new(root)?;
-        Seal::from_source(&source, &source.list()?)
+        Seal::from_source(&LocalDir::new(root)?)
     }
 
-    /// [`Seal::read`] of any source, given its listing.
-    pub fn from_source(source: &dyn Source, entries: &[Entry]) -> Result<Seal> {
+    /// [`Seal::read`] of any source.
+    pub fn from_source(source: &dyn Source) -> Result<Seal> {
+        const NO_META: &str = "is not a sealed kLLM directory: no kllm.json and no config.json with \"kllm\" seal metadata";
+        const NO_KLLM: &str = "is not a sealed kLLM directory: config.json has no \"kllm\" seal metadata and there is no kllm.json";
         let root = source.at(Path::new(""));
-        let (meta_file, meta_text, pipeline, meta) = if let Some(e) =
-            listed_file(entries, PIPELINE_META)
-        {
-            let (path, text, doc) = read_json_object(source, e)?;
-            (path, text, true, doc)
-        } else if let Some(e) = listed_file(entries, LLM_META) {
-            let (path, text, doc) = read_json_object(source, e)?;
-            match doc.get("kllm") {
-                    Some(Value::Object(k)) => (path, text, false, k.clone()),
-                    _ => {
-                        return Err(Error::at(
-                            &root,
-                            "is not a sealed kLLM directory: config.json has no \"kllm\" seal metadata and there is no kllm.json",
-                        ))
-                    }
-                }
-        } else {
-            return Err(Error::at(
-                    &root,
-                    "is not a sealed kLLM directory: no kllm.json and no config.json with \"kllm\" seal metadata",
-                ));
+        let Some((entry, pipeline)) = meta_entry(source)? else {
+            return Err(Error::at(&root, NO_META));
+        };
+        let (meta_file, meta_text, doc) = read_json_object(source, &entry)?;
+        let meta = match (pipeline, doc.get("kllm")) {
+            (true, _) => doc,
+            (false, Some(Value::Object(k))) => k.clone(),
+            (false, _) => return Err(Error::at(&root, NO_KLLM)),
         };
         let text_field = |name: &str| -> Result<String> {
             meta.get(name)
@@ -302,9 +295,9 @@ pub fn open_source(
     key_source: &dyn std::fmt::Display,
     opts: &Options,
 ) -> Result<View> {
-    let listing = Listing::new(source.list()?);
-    let seal = Seal::from_source(source, &listing.entries)?;
+    let seal = Seal::from_source(source)?;
     seal.check_key(key, key_source)?;
+    let listing = Listing::new(source.list()?);
     let manifest = load_manifest(source, &listing, opts)?;
     let view = build(&seal, source, &listing, key, opts, manifest.as_ref())?;
     if manifest.is_some() && opts.verify == Verify::Mount {

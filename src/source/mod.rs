@@ -36,6 +36,12 @@ pub trait Source: Send + Sync {
     /// listed; what cannot be shown is left out with a warning.
     fn list(&self) -> Result<Vec<Entry>>;
 
+    /// The entry [`Source::list`] would give for `rel` (a path as shown), without listing
+    /// everything: `None` when it would not be listed.
+    fn stat(&self, rel: &Path) -> Result<Option<Entry>> {
+        Ok(self.list()?.into_iter().find(|e| e.path == rel))
+    }
+
     /// One file for ranged reads, by its [`Entry::content_path`]. Cheap: a source may open
     /// the file on its first read, but its version is fixed here.
     fn open(&self, rel: &Path) -> Result<Arc<dyn Object>>;
