@@ -12,8 +12,8 @@ use std::path::{Path, PathBuf};
 use std::sync::{Arc, OnceLock};
 use std::time::{Duration, UNIX_EPOCH};
 
+use super::{Attr, Kind};
 use super::{Entry, Object, Source};
-use crate::view::{Attr, Kind};
 use crate::{Error, ReadError, Result};
 
 pub struct LocalDir {

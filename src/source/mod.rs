@@ -18,12 +18,12 @@ use std::fs::File;
 use std::io;
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
+use std::time::SystemTime;
 
 use sha2::{Digest, Sha256};
 
 pub use local::LocalDir;
 
-use crate::view::Attr;
 use crate::{ReadError, Result};
 
 /// A sealed directory to serve from.
@@ -55,6 +55,27 @@ pub trait Source: Send + Sync {
             root.join(rel)
         }
     }
+}
+
+/// A file or a folder.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Kind {
+    Dir,
+    File,
+}
+
+/// What `stat` shows of a node.
+#[derive(Debug, Clone, Copy)]
+pub struct Attr {
+    pub kind: Kind,
+    pub size: u64,
+    /// Permission bits only.
+    pub perm: u16,
+    pub uid: u32,
+    pub gid: u32,
+    pub atime: SystemTime,
+    pub mtime: SystemTime,
+    pub ctime: SystemTime,
 }
 
 /// One file or folder under a source's root.
