@@ -1,12 +1,16 @@
 pub mod blob;
+pub mod budget;
+pub mod digest;
 pub mod error;
 pub mod kernel_mount;
 pub mod key;
 pub mod lock;
 pub mod memfs;
+pub mod metrics;
 pub mod mounttab;
 pub mod notify;
 pub mod passthrough;
+pub mod progress;
 pub mod pyjson;
 pub use error::{Error, ReadError, Result};
 pub mod cache;
@@ -14,11 +18,14 @@ pub mod cli;
 pub mod daemon;
 pub mod fuse;
 pub mod manifest;
+pub mod ranges;
 pub mod sealed;
 pub mod secmem;
 pub mod shard;
 pub mod source;
 pub mod status;
+#[cfg(feature = "seal")]
+pub mod testkit;
 #[cfg(feature = "seal")]
 pub mod testseal;
 pub mod view;

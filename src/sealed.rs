@@ -12,16 +12,15 @@ use crate::blob;
 use crate::cache::BlockCache;
 use crate::key::{ModelKey, SHIPPED_KEY};
 use crate::lock::Version;
-use crate::manifest::Manifest;
+use crate::lock::LOCK_META;
+use crate::manifest::{self, Manifest};
+use crate::metrics::Stats;
 use crate::pyjson;
-use crate::shard::{Shard, LOCK_META};
+use crate::shard::Shard;
 use crate::source::{self, Entry, LocalDir, Source};
-use crate::status::Stats;
 use crate::view::{Attr, Content, Ino, Integrity, Kind, Node, View, ROOT};
 use crate::{Error, Result};
 
-/// kLLM's catalog of the sealed files and their SHA-256.
-pub const MANIFEST: &str = "kllm-manifest.json";
 /// Pipelines keep their seal metadata here; LLMs in the `kllm` object of `config.json`.
 pub const PIPELINE_META: &str = "kllm.json";
 pub const LLM_META: &str = "config.json";
@@ -61,44 +60,37 @@ fn read_json_object(
     }
 }
 
-/// The file at `rel` in a listing.
-fn listed_file<'a>(entries: &'a [Entry], rel: &str) -> Option<&'a Entry> {
-    entries
-        .iter()
-        .find(|e| e.attr.kind == Kind::File && e.path == Path::new(rel))
+/// The seal metadata file of a source, if there is one: `kllm.json`, else `config.json`.
+fn meta_entry(source: &dyn Source) -> Result<Option<(Entry, bool)>> {
+    for (name, pipeline) in [(PIPELINE_META, true), (LLM_META, false)] {
+        if let Some(e) = source.stat(Path::new(name))? {
+            if e.attr.kind == Kind::File {
+                return Ok(Some((e, pipeline)));
+            }
+        }
+    }
+    Ok(None)
 }
 
 impl Seal {
     /// Read the seal metadata of the directory `root`, refusing what this mount cannot serve.
     pub fn read(root: &Path) -> Result<Seal> {
-        let source = LocalDir::new(root)?;
-        Seal::from_source(&source, &source.list()?)
+        Seal::from_source(&LocalDir::new(root)?)
     }
 
-    /// [`Seal::read`] of any source, given its listing.
-    pub fn from_source(source: &dyn Source, entries: &[Entry]) -> Result<Seal> {
+    /// [`Seal::read`] of any source.
+    pub fn from_source(source: &dyn Source) -> Result<Seal> {
+        const NO_META: &str = "is not a sealed kLLM directory: no kllm.json and no config.json with \"kllm\" seal metadata";
+        const NO_KLLM: &str = "is not a sealed kLLM directory: config.json has no \"kllm\" seal metadata and there is no kllm.json";
         let root = source.at(Path::new(""));
-        let (meta_file, meta_text, pipeline, meta) = if let Some(e) =
-            listed_file(entries, PIPELINE_META)
-        {
-            let (path, text, doc) = read_json_object(source, e)?;
-            (path, text, true, doc)
-        } else if let Some(e) = listed_file(entries, LLM_META) {
-            let (path, text, doc) = read_json_object(source, e)?;
-            match doc.get("kllm") {
-                    Some(Value::Object(k)) => (path, text, false, k.clone()),
-                    _ => {
-                        return Err(Error::at(
-                            &root,
-                            "is not a sealed kLLM directory: config.json has no \"kllm\" seal metadata and there is no kllm.json",
-                        ))
-                    }
-                }
-        } else {
-            return Err(Error::at(
-                    &root,
-                    "is not a sealed kLLM directory: no kllm.json and no config.json with \"kllm\" seal metadata",
-                ));
+        let Some((entry, pipeline)) = meta_entry(source)? else {
+            return Err(Error::at(&root, NO_META));
+        };
+        let (meta_file, meta_text, doc) = read_json_object(source, &entry)?;
+        let meta = match (pipeline, doc.get("kllm")) {
+            (true, _) => doc,
+            (false, Some(Value::Object(k))) => k.clone(),
+            (false, _) => return Err(Error::at(&root, NO_KLLM)),
         };
         let text_field = |name: &str| -> Result<String> {
             meta.get(name)
@@ -123,14 +115,18 @@ impl Seal {
             Some(Value::String(v)) => Some(Version::parse(v).ok_or_else(|| {
                 Error::at(
                     &meta_file,
-                    format!("lock version {v} is not supported (this kllm-mount reads v1 and v2)"),
+                    format!(
+                        "lock version {v} is not supported (this kllm-mount reads {})",
+                        Version::supported_text()
+                    ),
                 )
             })?),
             Some(other) => {
                 return Err(Error::at(
                     &meta_file,
                     format!(
-                        "lock version {other} is not supported (this kllm-mount reads v1 and v2)"
+                        "lock version {other} is not supported (this kllm-mount reads {})",
+                        Version::supported_text()
                     ),
                 ))
             }
@@ -297,9 +293,9 @@ pub fn open_source(
     key_source: &dyn std::fmt::Display,
     opts: &Options,
 ) -> Result<View> {
-    let listing = Listing::new(source.list()?);
-    let seal = Seal::from_source(source, &listing.entries)?;
+    let seal = Seal::from_source(source)?;
     seal.check_key(key, key_source)?;
+    let listing = Listing::new(source.list()?);
     let manifest = load_manifest(source, &listing, opts)?;
     let view = build(&seal, source, &listing, key, opts, manifest.as_ref())?;
     if manifest.is_some() && opts.verify == Verify::Mount {
@@ -349,7 +345,7 @@ fn load_manifest(
     if opts.verify == Verify::Off {
         return Ok(None);
     }
-    let manifest = match (&opts.manifest, listing.get(Path::new(MANIFEST))) {
+    let manifest = match (&opts.manifest, listing.get(Path::new(manifest::FILE_NAME))) {
         (Some(p), _) => Manifest::load(p)?,
         (None, Some(entry)) => read_manifest(source, entry)?,
         (None, None) => {
@@ -357,7 +353,8 @@ fn load_manifest(
                 return Err(Error::at(
                     &source.at(Path::new("")),
                     format!(
-                        "--manifest-sha256 is given, but there is no {MANIFEST} (give --manifest FILE)"
+                        "--manifest-sha256 is given, but there is no {} (give --manifest FILE)",
+                        manifest::FILE_NAME
                     ),
                 ));
             }
@@ -423,7 +420,7 @@ fn verify_now(view: &View) -> Result<()> {
         .iter()
         .map(|(_, i)| view.node(*i).map_or(0, |n| n.attr.size))
         .sum();
-    let progress = crate::manifest::Progress::new("verifying");
+    let progress = crate::progress::Progress::new("verifying");
     let done = std::sync::atomic::AtomicU64::new(0);
     let results: Vec<_> = files
         .par_iter()
@@ -618,7 +615,7 @@ fn hidden(rel: &Path) -> bool {
     rel.parent() == Some(Path::new(""))
         && rel
             .file_name()
-            .is_some_and(|n| n == blob::FILE_NAME || n == SHIPPED_KEY || n == MANIFEST)
+            .is_some_and(|n| n == blob::FILE_NAME || n == SHIPPED_KEY || n == manifest::FILE_NAME)
 }
 
 /// What a listed file shows: a locked shard is decoded on read, anything else is shown as

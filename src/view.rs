@@ -4,39 +4,19 @@
 use std::ffi::{OsStr, OsString};
 use std::fs::File;
 use std::sync::{Arc, OnceLock};
-use std::time::SystemTime;
 
 use zeroize::Zeroizing;
 
 use crate::cache::BlockCache;
+use crate::metrics::Stats;
 use crate::secmem::Wiped;
 use crate::shard::Shard;
 use crate::source::{self, Object};
-use crate::status::Stats;
+pub use crate::source::{Attr, Kind};
 use crate::ReadError;
 
 pub type Ino = u64;
 pub const ROOT: Ino = 1;
-
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum Kind {
-    Dir,
-    File,
-}
-
-/// What `stat` shows of a node.
-#[derive(Debug, Clone, Copy)]
-pub struct Attr {
-    pub kind: Kind,
-    pub size: u64,
-    /// Permission bits only.
-    pub perm: u16,
-    pub uid: u32,
-    pub gid: u32,
-    pub atime: SystemTime,
-    pub mtime: SystemTime,
-    pub ctime: SystemTime,
-}
 
 pub enum Content {
     Dir(Vec<(OsString, Ino)>),

@@ -12,8 +12,8 @@ use std::path::{Path, PathBuf};
 use std::sync::{Arc, OnceLock};
 use std::time::{Duration, UNIX_EPOCH};
 
+use super::{Attr, Kind};
 use super::{Entry, Object, Source};
-use crate::view::{Attr, Kind};
 use crate::{Error, ReadError, Result};
 
 pub struct LocalDir {
@@ -68,6 +68,38 @@ impl Source for LocalDir {
         Ok(walk.out)
     }
 
+    fn stat(&self, rel: &Path) -> Result<Option<Entry>> {
+        // Under folders as the walk enters them: not through a link.
+        let mut dir = self.root.clone();
+        let mut parts = rel.components().peekable();
+        while let Some(part) = parts.next() {
+            let path = dir.join(part);
+            if parts.peek().is_none() {
+                let Some(r) = resolve(&self.canon_root, &path, rel, false)? else {
+                    return Ok(None);
+                };
+                let kind = if r.meta.is_dir() {
+                    Kind::Dir
+                } else if r.meta.is_file() {
+                    Kind::File
+                } else {
+                    return Ok(None);
+                };
+                let size = if kind == Kind::File { r.meta.len() } else { 0 };
+                return Ok(Some(Entry {
+                    path: rel.to_path_buf(),
+                    content_path: r.content_path,
+                    attr: attr_of(&r.meta, kind, size),
+                }));
+            }
+            match fs::symlink_metadata(&path) {
+                Ok(m) if m.is_dir() => dir = path,
+                _ => return Ok(None),
+            }
+        }
+        Ok(None)
+    }
+
     fn open(&self, rel: &Path) -> Result<Arc<dyn Object>> {
         let path = self.canon_root.join(rel);
         let m = fs::metadata(&path)
@@ -110,7 +142,7 @@ impl Walk<'_> {
                 real,
                 meta,
                 content_path,
-            }) = self.resolve(&path, &rel)?
+            }) = resolve(self.canon_root, &path, &rel, true)?
             else {
                 continue;
             };
@@ -145,52 +177,61 @@ impl Walk<'_> {
         }
         Ok(())
     }
+}
 
-    /// Follow a link only when it stays inside the directory, and only to a file.
-    /// `None`: the entry is not shown.
-    fn resolve(&self, path: &Path, rel: &Path) -> Result<Option<Resolved>> {
-        let lmeta = fs::symlink_metadata(path)
-            .map_err(|e| Error::at(path, format!("cannot stat ({e})")))?;
-        if !lmeta.file_type().is_symlink() {
-            return Ok(Some(Resolved {
-                real: path.to_path_buf(),
-                meta: lmeta,
-                content_path: rel.to_path_buf(),
-            }));
-        }
-        let target = match fs::canonicalize(path) {
-            Ok(t) => t,
-            Err(e) => {
+/// Follow a link only when it stays inside the directory, and only to a file.
+/// `None`: the entry is not shown (with a warning when `warn`).
+fn resolve(canon_root: &Path, path: &Path, rel: &Path, warn: bool) -> Result<Option<Resolved>> {
+    let lmeta = match fs::symlink_metadata(path) {
+        Ok(m) => m,
+        Err(e) if !warn && e.kind() == std::io::ErrorKind::NotFound => return Ok(None),
+        Err(e) => return Err(Error::at(path, format!("cannot stat ({e})"))),
+    };
+    if !lmeta.file_type().is_symlink() {
+        return Ok(Some(Resolved {
+            real: path.to_path_buf(),
+            meta: lmeta,
+            content_path: rel.to_path_buf(),
+        }));
+    }
+    let target = match fs::canonicalize(path) {
+        Ok(t) => t,
+        Err(e) => {
+            if warn {
                 log::warn!(
                     "{}: dangling symbolic link ({e}); not shown",
                     path.display()
                 );
-                return Ok(None);
             }
-        };
-        let Ok(target_rel) = target.strip_prefix(self.canon_root).map(Path::to_path_buf) else {
+            return Ok(None);
+        }
+    };
+    let Ok(target_rel) = target.strip_prefix(canon_root).map(Path::to_path_buf) else {
+        if warn {
             log::warn!(
                 "{}: symbolic link to {} leaves the sealed directory; not shown",
                 path.display(),
                 target.display()
             );
-            return Ok(None);
-        };
-        let meta = fs::metadata(&target)
-            .map_err(|e| Error::at(path, format!("cannot stat link target ({e})")))?;
-        if meta.is_dir() {
+        }
+        return Ok(None);
+    };
+    let meta = fs::metadata(&target)
+        .map_err(|e| Error::at(path, format!("cannot stat link target ({e})")))?;
+    if meta.is_dir() {
+        if warn {
             log::warn!(
                 "{}: symbolic link to a folder; not followed",
                 path.display()
             );
-            return Ok(None);
         }
-        Ok(Some(Resolved {
-            real: target,
-            meta,
-            content_path: target_rel,
-        }))
+        return Ok(None);
     }
+    Ok(Some(Resolved {
+        real: target,
+        meta,
+        content_path: target_rel,
+    }))
 }
 
 fn attr_of(meta: &Metadata, kind: Kind, size: u64) -> Attr {
@@ -281,5 +322,55 @@ impl Stamp {
             mtime: (m.mtime(), m.mtime_nsec()),
             ctime: (m.ctime(), m.ctime_nsec()),
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::os::unix::fs::symlink;
+
+    /// `stat` of a path answers as the walk does: links inside to files followed, to
+    /// folders, dangling or leaving the root not shown.
+    #[test]
+    fn stat_agrees_with_list() {
+        let outside = tempfile::tempdir().unwrap();
+        std::fs::write(outside.path().join("far"), b"x").unwrap();
+        let dir = tempfile::tempdir().unwrap();
+        let root = dir.path();
+        std::fs::create_dir(root.join("sub")).unwrap();
+        std::fs::write(root.join("sub/a"), b"abc").unwrap();
+        symlink("sub/a", root.join("to_file")).unwrap();
+        symlink("sub", root.join("to_dir")).unwrap();
+        symlink("nowhere", root.join("dangling")).unwrap();
+        symlink(outside.path().join("far"), root.join("escapes")).unwrap();
+        let src = LocalDir::new(root).unwrap();
+        let listed = src.list().unwrap();
+        let paths: Vec<_> = listed.iter().map(|e| e.path.clone()).collect();
+        assert_eq!(
+            paths,
+            ["", "sub", "sub/a", "to_file"].map(PathBuf::from).to_vec()
+        );
+        for name in [
+            "sub", "sub/a", "to_file", "to_dir", "dangling", "escapes", "missing",
+        ] {
+            let got = src.stat(Path::new(name)).unwrap();
+            let want = listed.iter().find(|e| e.path == Path::new(name));
+            assert_eq!(
+                got.as_ref()
+                    .map(|e| (&e.content_path, e.attr.kind, e.attr.size)),
+                want.map(|e| (&e.content_path, e.attr.kind, e.attr.size)),
+                "{name}"
+            );
+        }
+        let link = src.stat(Path::new("to_file")).unwrap().unwrap();
+        assert_eq!(link.content_path, Path::new("sub/a"));
+        let obj = src.open(&link.content_path).unwrap();
+        let mut buf = [0u8; 3];
+        obj.read_exact_at(&mut buf, 0).unwrap();
+        assert_eq!((&buf, obj.len()), (b"abc", 3));
+        obj.check_unchanged().unwrap();
+        std::fs::write(root.join("sub/a"), b"abcd").unwrap();
+        assert!(matches!(obj.check_unchanged(), Err(ReadError::Changed)));
     }
 }

@@ -29,13 +29,13 @@ use std::fs::File;
 use std::io;
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
+use std::time::SystemTime;
 
 use sha2::{Digest, Sha256};
 
 pub use local::LocalDir;
 pub use location::Location;
 
-use crate::view::Attr;
 use crate::{ReadError, Result};
 
 /// A sealed directory to serve from.
@@ -47,6 +47,12 @@ pub trait Source: Send + Sync {
     /// folder's entries sorted by name, depth first. Only folders and regular files are
     /// listed; what cannot be shown is left out with a warning.
     fn list(&self) -> Result<Vec<Entry>>;
+
+    /// The entry [`Source::list`] would give for `rel` (a path as shown), without listing
+    /// everything: `None` when it would not be listed.
+    fn stat(&self, rel: &Path) -> Result<Option<Entry>> {
+        Ok(self.list()?.into_iter().find(|e| e.path == rel))
+    }
 
     /// One file for ranged reads, by its [`Entry::content_path`]. Cheap: a source may open
     /// the file on its first read, but its version is fixed here.
@@ -61,6 +67,27 @@ pub trait Source: Send + Sync {
             root.join(rel)
         }
     }
+}
+
+/// A file or a folder.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Kind {
+    Dir,
+    File,
+}
+
+/// What `stat` shows of a node.
+#[derive(Debug, Clone, Copy)]
+pub struct Attr {
+    pub kind: Kind,
+    pub size: u64,
+    /// Permission bits only.
+    pub perm: u16,
+    pub uid: u32,
+    pub gid: u32,
+    pub atime: SystemTime,
+    pub mtime: SystemTime,
+    pub ctime: SystemTime,
 }
 
 /// One file or folder under a source's root.
@@ -112,7 +139,7 @@ pub fn read_all(object: &dyn Object) -> Result<Vec<u8>, ReadError> {
 /// ranged reads in order.
 pub fn sha256(object: &dyn Object) -> io::Result<[u8; 32]> {
     if let Some(f) = object.local_file().map_err(io::Error::from)? {
-        return crate::manifest::sha256_file(f);
+        return crate::digest::sha256_file(f);
     }
     const CHUNK: u64 = 8 << 20;
     let mut hasher = Sha256::new();

@@ -1,15 +1,17 @@
-//! Shared by the integration tests and the stress example: the sealed cases and their
-//! expected views (`vectors`), samples sealed by the project's own sealer (`sample`), and the
-//! kernel-mount harness (`harness`); an S3 server (`s3server`) and a fault-injecting proxy
+//! Shared by the integration tests: the sealed cases and their expected views (`vectors`),
+//! samples sealed by the project's own sealer and fixtures of them (`sample`), facts of
+//! sealed shards (`shards`), and the library's kernel-mount harness (`testkit`, which
+//! examples/kllm-stress.rs uses too); an S3 server (`s3server`) and a fault-injecting proxy
 //! (`faultproxy`) for remote sources.
 #![allow(dead_code, unused_imports)]
 
 pub mod faultproxy;
-pub mod harness;
 pub mod s3server;
 pub mod sample;
+pub mod shards;
 pub mod vectors;
 
-pub use harness::*;
-pub use sample::Sample;
+pub use kllm_mount::testkit::*;
+pub use sample::{Fixture, Sample};
+pub use shards::*;
 pub use vectors::*;
