@@ -222,8 +222,49 @@ fn every_fixture_over_http_with_a_manifest() {
     let manifest = m.scratch().join("kllm-manifest.json");
     fs::write(&manifest, manifest_of(&case.sealed(), &["kllm.key"])).unwrap();
     let url = server.object_url(BUCKET, "s3/llm_v2");
-    mount_remote(&m, &url, &case, &["--manifest", manifest.to_str().unwrap()]);
-    assert_view(&case, &m, "http --manifest FILE", 20);
+    mount_remote(
+        &m,
+        &url,
+        &case,
+        &[
+            "--manifest",
+            manifest.to_str().unwrap(),
+            "--verify",
+            "mount",
+        ],
+    );
+    assert_view(&case, &m, "http --manifest FILE --verify mount", 20);
+    drop(m);
+    // The manifest is checked as for a local directory: one file that does not match fails
+    // with EIO on open (--verify open), or refuses the mount (--verify mount).
+    let keep = tempfile::tempdir().unwrap();
+    let bad = keep.path().join("bad-manifest.json");
+    let m = Mnt::new();
+    let mut doc: Value =
+        serde_json::from_slice(&manifest_of(&case.sealed(), &["kllm.key"])).unwrap();
+    doc["files"]["generation_config.json"] = Value::String("00".repeat(32));
+    fs::write(&bad, serde_json::to_vec(&doc).unwrap()).unwrap();
+    mount_remote(
+        &m,
+        &url,
+        &case,
+        &["--manifest", bad.to_str().unwrap(), "--mode", "fuse"],
+    );
+    assert_eq!(
+        errno_of(
+            fs::read(m.path("generation_config.json")),
+            "a file not matching the manifest"
+        ),
+        libc::EIO
+    );
+    assert!(fs::read(m.path("config.json")).is_ok());
+    drop(m);
+    let m = Mnt::new();
+    let mut c = remote_cmd(&m, &url);
+    c.args(["--key", case.dir.join("kllm.key").to_str().unwrap()])
+        .args(["--manifest", bad.to_str().unwrap(), "--verify", "mount"]);
+    let err = assert_refused(&m, c, "--verify mount with a file not matching");
+    assert!(err.contains("generation_config.json"), "{err}");
     // Without either: one line naming where the manifest was looked for.
     let m = Mnt::new();
     let mut c = remote_cmd(&m, &url);
