@@ -490,19 +490,7 @@ impl FetchJob {
                 return Ok(bytes);
             }
         }
-        let deadline = Instant::now() + self.timeout;
-        let bytes = match tokio::time::timeout_at(deadline.into(), self.get_checked()).await {
-            Ok(r) => r?,
-            Err(_) => {
-                return Err(Fail::io(format!(
-                    "{}: bytes {}..{} not had within {} s",
-                    self.location,
-                    self.range.start,
-                    self.range.end,
-                    self.timeout.as_secs()
-                )))
-            }
-        };
+        let bytes = self.get_checked().await?;
         if let Some((cache, key, idx)) = self.cache {
             let b = bytes.clone();
             // Kept before the part is handed out, so a daemon that ends soon after still
@@ -513,14 +501,27 @@ impl FetchJob {
     }
 
     /// The GET, retried here when the body comes back short (object_store retries the
-    /// request itself on 5xx, throttling, timeouts and resets).
+    /// request itself on 5xx, throttling, timeouts and resets), all within the timeout
+    /// from when it may start (waiting behind other GETs does not count: they are bounded
+    /// the same way).
     async fn get_checked(&self) -> std::result::Result<Bytes, Fail> {
         let want = self.range.end - self.range.start;
         let mut attempt = 0u32;
+        let mut deadline = None;
         loop {
             attempt += 1;
             let _permit = self.gets.acquire().await.map_err(Fail::io)?;
-            match self.get_once().await {
+            let until = *deadline.get_or_insert_with(|| Instant::now() + self.timeout);
+            let Ok(got) = tokio::time::timeout_at(until.into(), self.get_once()).await else {
+                return Err(Fail::io(format!(
+                    "{}: bytes {}..{} not had within {} s",
+                    self.location,
+                    self.range.start,
+                    self.range.end,
+                    self.timeout.as_secs()
+                )));
+            };
+            match got {
                 Ok(b) if b.len() as u64 == want => return Ok(b),
                 Ok(b) => {
                     log::warn!(
