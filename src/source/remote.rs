@@ -569,7 +569,8 @@ impl FetchJob {
         // says when it was last modified.
         let other_version = match (&self.e_tag, &r.meta.e_tag) {
             (Some(mine), Some(theirs)) => mine != theirs,
-            (None, _) => SystemTime::from(r.meta.last_modified) != self.modified,
+            // HTTP dates have whole seconds; a listing may have had more.
+            (None, _) => whole_seconds(r.meta.last_modified.into()) != whole_seconds(self.modified),
             (Some(_), None) => false,
         };
         if r.meta.size != self.size || other_version {
@@ -585,6 +586,11 @@ impl FetchJob {
             .await
             .map_err(|e| Fail::io(format!("{}: {e}", self.location)))
     }
+}
+
+fn whole_seconds(t: SystemTime) -> u64 {
+    t.duration_since(SystemTime::UNIX_EPOCH)
+        .map_or(0, |d| d.as_secs())
 }
 
 /// Recent sequential readers of one object: where each will read next and how wide its

@@ -11,10 +11,10 @@ use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
-use futures::TryStreamExt;
+use futures::{StreamExt, TryStreamExt};
 use object_store::aws::{AmazonS3Builder, AmazonS3ConfigKey};
 use object_store::path::Path as StorePath;
-use object_store::{ObjectMeta, ObjectStore};
+use object_store::{ObjectMeta, ObjectStore, ObjectStoreExt};
 
 use super::remote::{client_options, listing, retry_config, Connect, Remote, RemoteSettings};
 use super::{profile, Entry, Object, Source};
@@ -124,6 +124,34 @@ impl S3Source {
         }
         if objects.is_empty() {
             return Err(Error::at(Path::new(&shown), "no objects under this prefix"));
+        }
+        // Some servers list no ETags: a HEAD each gives the version reads must match.
+        let untagged: Vec<ObjectMeta> = objects
+            .values()
+            .filter(|m| m.e_tag.is_none())
+            .cloned()
+            .collect();
+        if !untagged.is_empty() {
+            let in_flight = settings.tuning.in_flight.max(1);
+            let heads: Vec<object_store::Result<ObjectMeta>> = remote
+                .call("the objects' versions", |store| async move {
+                    Ok(futures::stream::iter(untagged.into_iter().map(|m| {
+                        let store = store.clone();
+                        async move { store.head(&m.location).await }
+                    }))
+                    .buffer_unordered(in_flight)
+                    .collect::<Vec<_>>()
+                    .await)
+                })?
+                .map_err(|e| Error::at(Path::new(&shown), one_line(&e)))?;
+            for head in heads {
+                let m = head.map_err(|e| {
+                    Error::at(Path::new(&shown), format!("cannot stat ({})", one_line(&e)))
+                })?;
+                if let Some(slot) = objects.values_mut().find(|o| o.location == m.location) {
+                    *slot = m;
+                }
+            }
         }
         Ok(S3Source {
             remote,
