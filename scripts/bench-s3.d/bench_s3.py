@@ -274,15 +274,15 @@ class Bench:
         p = subprocess.Popen(["rclone", "mount", f"B:{BUCKET}/plain", self.mnt2, "--read-only",
                               "--vfs-cache-mode", "off", "--buffer-size", "64M"],
                              env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
-        for _ in range(200):
+        for _ in range(600):
             if is_mounted(self.mnt2):
                 break
             if p.poll() is not None:
-                return {"skipped": f"rclone exited: {p.stderr.read().decode()[:200]}"}
+                return {"skipped": f"rclone exited: {p.stderr.read().decode()[-300:]}"}
             time.sleep(0.05)
         else:
             p.kill()
-            return {"skipped": "rclone did not mount in 10 s"}
+            return {"skipped": f"rclone did not mount in 30 s: {p.stderr.read().decode()[-300:]}"}
         try:
             n, _, first = read_all(os.path.join(self.mnt2, "model.safetensors"), first=t0)
             assert n == self.size
