@@ -10,12 +10,10 @@ use fuser::{
     ReplyDirectory, ReplyEmpty, ReplyEntry, ReplyOpen, ReplyStatfs, ReplyXattr, Request,
 };
 
-use crate::memfs::MemoryFile;
-use crate::passthrough::{Backing, OpenTable, Opened, Requested, ServeMode};
+use crate::passthrough::{Opened, Opens, ServeMode};
 use crate::secmem::SecureBuf;
-use crate::status::Stats;
-use crate::view::{Content, Ino, Kind, Node, View};
-use crate::ReadError;
+use crate::metrics::Stats;
+use crate::view::{Ino, Kind, View};
 
 /// The view never changes while mounted, so the kernel may cache everything for long.
 const TTL: Duration = Duration::from_secs(3600);
@@ -39,18 +37,17 @@ pub type OnDestroy = Box<dyn FnMut() + Send + Sync>;
 
 pub struct KllmFs {
     view: Arc<View>,
-    mode: Arc<ServeMode>,
-    opens: OpenTable<BackingId>,
+    opens: Opens<BackingId>,
     on_destroy: Option<OnDestroy>,
 }
 
 impl KllmFs {
-    /// `keep_budget`: bytes of decoded shards kept after their last close, for a reopen.
-    pub fn new(view: Arc<View>, mode: Arc<ServeMode>, keep_budget: u64) -> KllmFs {
+    /// `kept_shards`: bytes of decoded shards kept after their last close, for a reopen
+    /// (src/budget.rs).
+    pub fn new(view: Arc<View>, mode: Arc<ServeMode>, kept_shards: u64) -> KllmFs {
         KllmFs {
+            opens: Opens::new(view.clone(), mode, kept_shards),
             view,
-            mode,
-            opens: OpenTable::new(keep_budget),
             on_destroy: None,
         }
     }
@@ -61,92 +58,6 @@ impl KllmFs {
     pub fn on_destroy(mut self, f: OnDestroy) -> KllmFs {
         self.on_destroy = Some(f);
         self
-    }
-
-    /// A backing file for a passthrough open of `node`, or `None` to serve it through
-    /// FUSE: the decoded copy of a locked shard (`kept` if an earlier open left one), or
-    /// the sealed file itself for a file shown verbatim.
-    fn backing(
-        &self,
-        ino: Ino,
-        node: &Node,
-        kept: Option<Arc<MemoryFile>>,
-        reply: &ReplyOpen,
-    ) -> Option<Backing<BackingId>> {
-        // Under a manifest a verbatim file is copied into memory as it is checked, so a
-        // later rewrite of the sealed file cannot reach the kernel unchecked.
-        let copy = match &node.content {
-            Content::Shard { .. } => true,
-            Content::Verbatim { .. } => node.integrity.is_some(),
-            Content::Memory(_) | Content::Dir(_) => return None,
-        };
-        let memory = match (copy, kept) {
-            (false, _) => None,
-            (true, Some(m)) => Some(m),
-            (true, None) => Some(self.decode(ino, node)?),
-        };
-        let opened = match &memory {
-            Some(m) => reply.open_backing(m.file()),
-            None => match self.view.verbatim_file(node) {
-                Ok(f) => reply.open_backing(f.as_ref()),
-                Err(e) => {
-                    log::error!("{}: {e}", self.view.path_of(ino));
-                    return None;
-                }
-            },
-        };
-        match opened {
-            Ok(id) => Some(Backing {
-                id: Arc::new(id),
-                memory,
-            }),
-            Err(e) if e.raw_os_error() == Some(libc::EPERM) => {
-                self.mode.turn_off(format!(
-                    "the kernel refuses backing files to this process ({e})"
-                ));
-                None
-            }
-            Err(e) => {
-                log::warn!(
-                    "{}: no backing file ({e}); served through FUSE",
-                    self.view.path_of(ino)
-                );
-                None
-            }
-        }
-    }
-
-    /// Decode a whole locked shard into private memory, on all cores, checking it against
-    /// the manifest at the same time. When the budget is full, shards kept after their
-    /// last close make room; failing that, the open is served through FUSE.
-    fn decode(&self, ino: Ino, node: &Node) -> Option<Arc<MemoryFile>> {
-        let memory = self.mode.passthrough()?;
-        let fill = |buf: &mut [u8]| self.view.read_whole(ino, buf);
-        let started = std::time::Instant::now();
-        let mut result = memory.fill(node.attr.size, fill);
-        if result.as_ref().is_err_and(is_full) && self.opens.drop_kept() > 0 {
-            result = memory.fill(node.attr.size, fill);
-        }
-        match result {
-            Ok(m) => {
-                log::debug!(
-                    "{}: decoded {} bytes in {:?}",
-                    self.view.path_of(ino),
-                    m.len(),
-                    started.elapsed()
-                );
-                Some(Arc::new(m))
-            }
-            Err(e) => {
-                let why = if is_full(&e) {
-                    "the passthrough memory budget is full".to_string()
-                } else {
-                    format!("not decoded whole ({e})")
-                };
-                log::warn!("{}: {why}; served through FUSE", self.view.path_of(ino));
-                None
-            }
-        }
     }
 
     fn attr(&self, ino: Ino) -> Option<FileAttr> {
@@ -186,7 +97,8 @@ impl Filesystem for KllmFs {
             let _ = config.set_max_write(max);
         }
         let _ = config.set_max_background(MAX_BACKGROUND);
-        if self.mode.passthrough().is_some() {
+        let mode = self.opens.mode();
+        if mode.passthrough().is_some() {
             // Depth 1: backing files on a plain file system (our tmpfs, the sealed files),
             // and this mount can still be the lower layer of an overlay.
             let offered = config
@@ -198,15 +110,13 @@ impl Filesystem for KllmFs {
                         .map_err(|_| InitFlags::FUSE_PASSTHROUGH)
                 });
             if offered.is_err() {
-                let why = "the kernel offers no FUSE passthrough (Linux 6.9+ with CONFIG_FUSE_PASSTHROUGH)";
-                if self.mode.requested() == Requested::Passthrough {
+                if let Err(why) = mode.kernel_offers_none() {
                     log::error!("--mode passthrough: {why}");
                     return Err(std::io::Error::other(why));
                 }
-                self.mode.turn_off(why.into());
             }
         }
-        self.mode.log();
+        mode.log();
         Ok(())
     }
 
@@ -244,25 +154,15 @@ impl Filesystem for KllmFs {
         if flags.acc_mode() != OpenAccMode::O_RDONLY {
             return reply.error(Errno::EROFS);
         }
-        let opened = match self.mode.passthrough() {
-            Some(_) => self
-                .opens
-                .open(ino.0, |kept| self.backing(ino.0, node, kept, &reply)),
-            None => Opened::Fuse {
-                fh: self.opens.open_fuse(ino.0),
-            },
-        };
         let stats = self.view.stats();
-        if let Opened::Fuse { fh } = opened {
-            // A file under a manifest is hashed before its first byte is served (a
-            // passthrough open checked it while decoding).
-            if let Err(e) = self.view.verify(ino.0) {
-                self.opens.release(fh);
+        let opened = match self.opens.open(ino.0, node, |f| reply.open_backing(f)) {
+            Ok(opened) => opened,
+            Err(e) => {
                 Stats::add(&stats.read_errors, 1);
                 log::error!("open of {} refused: {e}", self.view.path_of(ino.0));
                 return reply.error(Errno::from_i32(e.errno()));
             }
-        }
+        };
         stats.opened(matches!(opened, Opened::Passthrough { .. }));
         match opened {
             Opened::Passthrough { fh, id } => {
@@ -418,9 +318,4 @@ impl Filesystem for KllmFs {
             reply.data(&[]);
         }
     }
-}
-
-/// The kernel refused memory past the private tmpfs's size: the budget is full.
-fn is_full(e: &ReadError) -> bool {
-    matches!(e, ReadError::Io(e) if e.raw_os_error() == Some(libc::ENOSPC))
 }

@@ -1,14 +1,18 @@
 pub mod blob;
+pub mod budget;
+pub mod digest;
 pub mod error;
 pub mod kernel_mount;
 pub mod key;
 pub mod limits;
 pub mod lock;
 pub mod memfs;
+pub mod metrics;
 pub mod mounttab;
 pub mod notify;
 pub mod passthrough;
 pub mod pressure;
+pub mod progress;
 pub mod pyjson;
 pub use error::{Error, ReadError, Result};
 pub mod cache;

@@ -18,8 +18,8 @@ use std::sync::Arc;
 use parking_lot::Mutex;
 
 use crate::memfs::{MemoryFile, MemoryFs};
-use crate::view::Ino;
-use crate::{Error, Result};
+use crate::view::{Content, Ino, Node, View};
+use crate::{Error, ReadError, Result};
 
 /// The serving mode asked for on the command line.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
@@ -104,6 +104,17 @@ impl ServeMode {
         }
     }
 
+    /// The kernel offered no passthrough at INIT: why, as an error if `--mode passthrough`
+    /// demanded it, else serve through FUSE.
+    pub fn kernel_offers_none(&self) -> std::result::Result<(), &'static str> {
+        let why = "the kernel offers no FUSE passthrough (Linux 6.9+ with CONFIG_FUSE_PASSTHROUGH)";
+        if self.requested == Requested::Passthrough {
+            return Err(why);
+        }
+        self.turn_off(why.into());
+        Ok(())
+    }
+
     /// The one log line saying which mode is in use and why.
     pub fn log(&self) {
         match (self.describe(), &self.memory) {
@@ -117,6 +128,152 @@ impl ServeMode {
             ),
         }
     }
+}
+
+/// Every open answered in a mode the kernel accepts: the serving mode, the handles open,
+/// and how a backing file is made. `B` is the kernel's backing handle; the adapter passes
+/// in the call that makes one from a file, so this runs without a kernel in tests.
+pub struct Opens<B> {
+    view: Arc<View>,
+    mode: Arc<ServeMode>,
+    table: OpenTable<B>,
+}
+
+impl<B> Opens<B> {
+    /// `kept_shards`: bytes of decoded shards kept after their last close, for a reopen.
+    pub fn new(view: Arc<View>, mode: Arc<ServeMode>, kept_shards: u64) -> Opens<B> {
+        Opens {
+            view,
+            mode,
+            table: OpenTable::new(kept_shards),
+        }
+    }
+
+    pub fn mode(&self) -> &ServeMode {
+        &self.mode
+    }
+
+    /// Open file `ino` in passthrough mode when possible, backed through `open_backing`,
+    /// else through FUSE. A file under a manifest opened through FUSE is hashed first (a
+    /// passthrough open checked it while decoding); a mismatch refuses the open.
+    pub fn open(
+        &self,
+        ino: Ino,
+        node: &Node,
+        open_backing: impl Fn(&std::fs::File) -> std::io::Result<B>,
+    ) -> std::result::Result<Opened<B>, ReadError> {
+        let opened = match self.mode.passthrough() {
+            Some(_) => self
+                .table
+                .open(ino, |kept| self.backing(ino, node, kept, &open_backing)),
+            None => Opened::Fuse {
+                fh: self.table.open_fuse(ino),
+            },
+        };
+        if let Opened::Fuse { fh } = opened {
+            if let Err(e) = self.view.verify(ino) {
+                self.table.release(fh);
+                return Err(e);
+            }
+        }
+        Ok(opened)
+    }
+
+    /// The kernel released handle `fh`.
+    pub fn release(&self, fh: u64) -> Option<(Ino, OpenMode)> {
+        self.table.release(fh)
+    }
+
+    /// A backing file for a passthrough open of `node`, or `None` to serve it through
+    /// FUSE: the decoded copy of a locked shard (`kept` if an earlier open left one), or
+    /// the sealed file itself for a file shown verbatim.
+    fn backing(
+        &self,
+        ino: Ino,
+        node: &Node,
+        kept: Option<Arc<MemoryFile>>,
+        open_backing: &impl Fn(&std::fs::File) -> std::io::Result<B>,
+    ) -> Option<Backing<B>> {
+        // Under a manifest a verbatim file is copied into memory as it is checked, so a
+        // later rewrite of the sealed file cannot reach the kernel unchecked.
+        let copy = match &node.content {
+            Content::Shard { .. } => true,
+            Content::Verbatim { .. } => node.integrity.is_some(),
+            Content::Memory(_) | Content::Dir(_) => return None,
+        };
+        let memory = match (copy, kept) {
+            (false, _) => None,
+            (true, Some(m)) => Some(m),
+            (true, None) => Some(self.decode(ino, node)?),
+        };
+        let opened = match &memory {
+            Some(m) => open_backing(m.file()),
+            None => match self.view.verbatim_file(node) {
+                Ok(f) => open_backing(f.as_ref()),
+                Err(e) => {
+                    log::error!("{}: {e}", self.view.path_of(ino));
+                    return None;
+                }
+            },
+        };
+        match opened {
+            Ok(id) => Some(Backing {
+                id: Arc::new(id),
+                memory,
+            }),
+            Err(e) if e.raw_os_error() == Some(libc::EPERM) => {
+                self.mode.turn_off(format!(
+                    "the kernel refuses backing files to this process ({e})"
+                ));
+                None
+            }
+            Err(e) => {
+                log::warn!(
+                    "{}: no backing file ({e}); served through FUSE",
+                    self.view.path_of(ino)
+                );
+                None
+            }
+        }
+    }
+
+    /// Decode a whole locked shard into private memory, on all cores, checking it against
+    /// the manifest at the same time. When the budget is full, shards kept after their
+    /// last close make room; failing that, the open is served through FUSE.
+    fn decode(&self, ino: Ino, node: &Node) -> Option<Arc<MemoryFile>> {
+        let memory = self.mode.passthrough()?;
+        let fill = |buf: &mut [u8]| self.view.read_whole(ino, buf);
+        let started = std::time::Instant::now();
+        let mut result = memory.fill(node.attr.size, fill);
+        if result.as_ref().is_err_and(is_full) && self.table.drop_kept() > 0 {
+            result = memory.fill(node.attr.size, fill);
+        }
+        match result {
+            Ok(m) => {
+                log::debug!(
+                    "{}: decoded {} bytes in {:?}",
+                    self.view.path_of(ino),
+                    m.len(),
+                    started.elapsed()
+                );
+                Some(Arc::new(m))
+            }
+            Err(e) => {
+                let why = if is_full(&e) {
+                    "the passthrough memory budget is full".to_string()
+                } else {
+                    format!("not decoded whole ({e})")
+                };
+                log::warn!("{}: {why}; served through FUSE", self.view.path_of(ino));
+                None
+            }
+        }
+    }
+}
+
+/// The kernel refused memory past the private tmpfs's size: the budget is full.
+fn is_full(e: &ReadError) -> bool {
+    matches!(e, ReadError::Io(e) if e.raw_os_error() == Some(libc::ENOSPC))
 }
 
 /// How one open is served.
@@ -356,6 +513,91 @@ mod tests {
         let m = ServeMode::choose(Requested::Fuse, 1 << 20).unwrap();
         assert!(m.passthrough().is_none() && m.memory().is_none());
         assert_eq!(m.describe(), ("fuse", Some("--mode fuse".to_string())));
+    }
+
+    /// A sealed sample's view, passthrough on (root only), with `Opens` over a fake kernel.
+    #[cfg(feature = "seal")]
+    fn sample_opens() -> Option<(tempfile::TempDir, Arc<View>, Opens<std::fs::File>)> {
+        use crate::key::ModelKey;
+        use crate::testseal;
+        let mode = match ServeMode::choose(Requested::Auto, 64 << 20) {
+            Ok(m) if m.passthrough().is_some() => m,
+            _ => {
+                eprintln!("skipped: passthrough needs root and a private tmpfs");
+                return None;
+            }
+        };
+        let tmp = tempfile::tempdir().unwrap();
+        let (plain, sealed) = (tmp.path().join("plain"), tmp.path().join("sealed"));
+        let key = ModelKey::new([7; 32]);
+        testseal::write_sample_model(&plain, 16, 1).unwrap();
+        let lock = Some(crate::lock::Version::V2);
+        testseal::seal_dir(&plain, &sealed, &key, lock, [3; 16]).unwrap();
+        let view = crate::sealed::open(&sealed, &key, &"test", &Default::default()).unwrap();
+        let view = Arc::new(view);
+        let opens = Opens::new(view.clone(), Arc::new(mode), 0);
+        Some((tmp, view, opens))
+    }
+
+    #[cfg(feature = "seal")]
+    fn a_shard(view: &View) -> (String, Ino) {
+        view.file_paths()
+            .into_iter()
+            .find(|(_, ino)| matches!(view.node(*ino).unwrap().content, Content::Shard { .. }))
+            .expect("a locked shard")
+    }
+
+    /// The kernel's backing call, faked: the "handle" is a second descriptor of the file.
+    fn dup(f: &std::fs::File) -> std::io::Result<std::fs::File> {
+        f.try_clone()
+    }
+
+    #[cfg(feature = "seal")]
+    #[test]
+    fn a_locked_shard_is_backed_by_its_whole_decoded_copy() {
+        use std::io::Read;
+        let Some((_tmp, view, opens)) = sample_opens() else {
+            return;
+        };
+        let (path, ino) = a_shard(&view);
+        let node = view.node(ino).unwrap();
+        let Ok(Opened::Passthrough { fh, id }) = opens.open(ino, node, dup) else {
+            panic!("{path}: not opened in passthrough mode");
+        };
+        let mut backed = Vec::new();
+        (&*id).read_to_end(&mut backed).unwrap();
+        let want = view.read(ino, 0, node.attr.size as usize).unwrap();
+        assert!(
+            backed[..] == want[..],
+            "{path}: backing differs from the view"
+        );
+        assert!(opens.release(fh).is_some());
+    }
+
+    #[cfg(feature = "seal")]
+    #[test]
+    fn a_kernel_refusing_backing_files_turns_passthrough_off() {
+        let Some((_tmp, view, opens)) = sample_opens() else {
+            return;
+        };
+        let (_, ino) = a_shard(&view);
+        let node = view.node(ino).unwrap();
+        let refuse = |_: &std::fs::File| Err(std::io::Error::from_raw_os_error(libc::EPERM));
+        assert!(matches!(
+            opens.open(ino, node, refuse),
+            Ok(Opened::Fuse { .. })
+        ));
+        let (mode, why) = opens.mode().describe();
+        assert_eq!(mode, "fuse");
+        assert!(why.unwrap().contains("refuses backing files"));
+        // Later opens go through FUSE without asking the kernel.
+        let never = |_: &std::fs::File| -> std::io::Result<std::fs::File> {
+            panic!("a backing file was asked for with passthrough off")
+        };
+        assert!(matches!(
+            opens.open(ino, node, never),
+            Ok(Opened::Fuse { .. })
+        ));
     }
 
     /// A stand-in for the kernel's backing id that counts how many exist.

@@ -13,6 +13,8 @@ use std::time::{Duration, Instant};
 
 use common::*;
 use kllm_mount::lock::Version;
+use kllm_mount::manifest;
+use kllm_mount::metrics::METRICS;
 use serde_json::{json, Value};
 use sha2::{Digest, Sha256};
 
@@ -32,7 +34,7 @@ impl Fixture {
         let s = Sample::new(KEY, 256, 2, Some(Version::V2), |_| {});
         let view = s.view();
         let f = Fixture { s, view };
-        f.write_manifest(&f.sealed().join("kllm-manifest.json"));
+        f.write_manifest(&f.sealed().join(manifest::FILE_NAME));
         f
     }
 
@@ -48,7 +50,7 @@ impl Fixture {
     fn write_manifest(&self, to: &Path) -> String {
         let mut files = serde_json::Map::new();
         for (rel, path) in tree(&self.sealed()) {
-            if rel != "kllm-manifest.json" {
+            if rel != manifest::FILE_NAME {
                 let digest = Sha256::digest(fs::read(path).unwrap());
                 files.insert(rel, Value::from(hex::encode(digest)));
             }
@@ -130,7 +132,7 @@ fn untouched_files_are_verified_and_served_in_each_mode() {
         let m = Mnt::new();
         s.mount(&m, &["--mode", mode]);
         assert!(
-            !m.path("kllm-manifest.json").exists(),
+            !m.path(manifest::FILE_NAME).exists(),
             "the manifest is shown"
         );
         for (rel, want) in &s.view {
@@ -286,7 +288,7 @@ fn missing_extra_and_pinned_manifests() {
     let s = Fixture::new();
     let outside = s.s.root().join("catalog.json");
     let pin = s.write_manifest(&outside);
-    fs::remove_file(s.sealed().join("kllm-manifest.json")).unwrap();
+    fs::remove_file(s.sealed().join(manifest::FILE_NAME)).unwrap();
     let m = Mnt::new();
     s.mount(
         &m,
@@ -336,20 +338,8 @@ fn status_counts_what_was_read() {
     let m = Mnt::new();
     s.mount(&m, &["--mode", "fuse", "--cache-size", "0"]);
     let st = status(&m);
-    for field in [
-        "mode",
-        "sealed",
-        "mounted_at",
-        "files_open",
-        "bytes_served",
-        "bytes_decoded",
-        "cache_hits",
-        "cache_misses",
-        "cache_bytes",
-        "read_errors",
-        "verified_files",
-        "failed_files",
-    ] {
+    let counters = METRICS.iter().map(|m| m.field);
+    for field in ["mode", "sealed", "mounted_at"].into_iter().chain(counters) {
         assert!(st.get(field).is_some(), "no {field} in {st}");
     }
     assert_eq!(st["bytes_served"], 0);

@@ -861,6 +861,36 @@ fn default_key_in_home() {
     assert_whole_view(&c, &m, "HOME default.key");
 }
 
+/// A wrong sealed path is answered as such, before any key is looked for (none is given
+/// here, so a key error would mean the path was not checked first).
+#[test]
+fn a_wrong_source_is_named_before_the_key_is_looked_for() {
+    let m = Mnt::new();
+    let missing = m.scratch().join("no-such-model");
+    let empty = m.scratch().join("empty");
+    fs::create_dir(&empty).unwrap();
+    let cases = [
+        (&missing, "does not exist"),
+        (&empty, "is not a sealed kLLM directory"),
+    ];
+    for (dir, problem) in cases {
+        for fg in [false, true] {
+            let mut cmd = m.cmd(dir);
+            if fg {
+                cmd.arg("-f");
+            }
+            let label = format!("{} (-f: {fg})", dir.display());
+            let err = assert_refused(&m, &run(cmd), &label);
+            assert!(
+                err.contains(&*dir.to_string_lossy()),
+                "{label}: {err:?} does not name the path"
+            );
+            assert!(err.contains(problem), "{label}: {err:?} lacks {problem:?}");
+            assert!(!err.contains("no key"), "{label}: {err:?} asks for a key");
+        }
+    }
+}
+
 #[test]
 fn key_of_another_model_is_refused_with_both_fingerprints() {
     let fp_of = |c: &Case| -> String {
