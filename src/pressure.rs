@@ -65,6 +65,49 @@ pub struct PressureStats {
     pub usage: AtomicU64,
 }
 
+/// The limit and its watermarks, shared by the watcher and by opens about to take memory
+/// (a passthrough decode asks [`Guard::room_for`] first).
+pub struct Guard {
+    limits: Limits,
+    marks: Watermarks,
+    stats: PressureStats,
+}
+
+impl Guard {
+    pub fn new(limits: Limits, marks: Watermarks) -> Guard {
+        Guard {
+            limits,
+            marks,
+            stats: PressureStats::default(),
+        }
+    }
+
+    pub fn limits(&self) -> &Limits {
+        &self.limits
+    }
+
+    pub fn marks(&self) -> Watermarks {
+        self.marks
+    }
+
+    pub fn stats(&self) -> &PressureStats {
+        &self.stats
+    }
+
+    /// What counts against the limit now and cannot be reclaimed (src/limits.rs).
+    pub fn usage(&self) -> Option<u64> {
+        let usage = self.limits.usage()?;
+        self.stats.usage.store(usage, Ordering::Relaxed);
+        Some(usage)
+    }
+
+    /// Whether `bytes` more stay under the high watermark now; yes when the usage cannot
+    /// be read (the budgets alone then keep the limit).
+    pub fn room_for(&self, bytes: u64) -> bool {
+        self.usage().is_none_or(|u| bytes <= self.marks.room(u))
+    }
+}
+
 /// One decision of the watcher: how much to ask for at `usage`, and whether a new episode
 /// began (the first reading past `high` since usage was last under `low`).
 #[derive(Debug, Default)]
@@ -91,38 +134,25 @@ impl Episodes {
 pub struct Watcher {
     stop: Arc<AtomicBool>,
     thread: Option<JoinHandle<()>>,
-    stats: Arc<PressureStats>,
 }
 
 impl Watcher {
-    /// Watch `limits` every `every`, giving back past `marks`. `None` when the usage
-    /// cannot be read here (the limit is then only kept by the budgets).
-    pub fn start(
-        limits: Limits,
-        marks: Watermarks,
-        every: Duration,
-        give_back: GiveBack,
-    ) -> Option<Watcher> {
-        let first = limits.usage()?;
+    /// Watch `guard`'s limit every `every`, giving back past its watermarks. `None` when
+    /// the usage cannot be read here (the limit is then kept by the budgets alone).
+    pub fn start(guard: Arc<Guard>, every: Duration, give_back: GiveBack) -> Option<Watcher> {
+        guard.usage()?;
         let stop = Arc::new(AtomicBool::new(false));
-        let stats = Arc::new(PressureStats::default());
-        stats.usage.store(first, Ordering::Relaxed);
         let thread = {
-            let (stop, stats) = (stop.clone(), stats.clone());
+            let stop = stop.clone();
             std::thread::Builder::new()
                 .name("kllm-pressure".into())
-                .spawn(move || watch(&limits, marks, every, &give_back, &stop, &stats))
+                .spawn(move || watch(&guard, every, &give_back, &stop))
                 .ok()?
         };
         Some(Watcher {
             stop,
             thread: Some(thread),
-            stats,
         })
-    }
-
-    pub fn stats(&self) -> &Arc<PressureStats> {
-        &self.stats
     }
 }
 
@@ -135,23 +165,16 @@ impl Drop for Watcher {
     }
 }
 
-fn watch(
-    limits: &Limits,
-    marks: Watermarks,
-    every: Duration,
-    give_back: &GiveBack,
-    stop: &AtomicBool,
-    stats: &PressureStats,
-) {
-    let limit = limits.effective();
+fn watch(guard: &Guard, every: Duration, give_back: &GiveBack, stop: &AtomicBool) {
+    let limit = guard.limits.effective();
+    let stats = &guard.stats;
     let mut episodes = Episodes::default();
     while !stop.load(Ordering::Relaxed) {
         std::thread::sleep(every);
-        let Some(usage) = limits.usage() else {
+        let Some(usage) = guard.usage() else {
             continue;
         };
-        stats.usage.store(usage, Ordering::Relaxed);
-        let Some((ask, new)) = episodes.step(usage, marks) else {
+        let Some((ask, new)) = episodes.step(usage, guard.marks) else {
             continue;
         };
         let freed = give_back(ask);
@@ -224,12 +247,16 @@ mod tests {
         let limits = Limits::read(tree.path(), Rlimits::default());
         assert_eq!(limits.effective().bytes, 512 * MIB);
         let asked = Arc::new(Mutex::new(Vec::new()));
-        let marks = Watermarks::for_limit(512 * MIB, 64 * MIB);
+        let guard = Arc::new(Guard::new(
+            limits,
+            Watermarks::for_limit(512 * MIB, 64 * MIB),
+        ));
+        // 140 MiB in use of a high mark at 480 MiB.
+        assert!(guard.room_for(340 * MIB) && !guard.room_for(341 * MIB));
         let watcher = {
             let asked = asked.clone();
             Watcher::start(
-                limits,
-                marks,
+                guard.clone(),
                 Duration::from_millis(5),
                 Box::new(move |n| {
                     asked.lock().unwrap().push(n);
@@ -253,10 +280,11 @@ mod tests {
         }
         // 500 MiB unreclaimable, the low mark at 448 MiB.
         assert_eq!(asked.lock().unwrap()[0], 52 * MIB);
+        assert!(!guard.room_for(1), "past the high mark");
         std::fs::write(&current, (300 * MIB).to_string()).unwrap();
         std::thread::sleep(Duration::from_millis(50));
-        let stats = watcher.stats().clone();
         drop(watcher);
+        let stats = guard.stats();
         assert_eq!(stats.episodes.load(Ordering::Relaxed), 1);
         assert!(stats.given_back.load(Ordering::Relaxed) >= 26 * MIB);
         assert_eq!(stats.usage.load(Ordering::Relaxed), 140 * MIB);
