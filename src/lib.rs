@@ -20,10 +20,14 @@ pub mod cli;
 pub mod daemon;
 pub mod fuse;
 pub mod manifest;
+pub mod ranges;
 pub mod sealed;
 pub mod secmem;
 pub mod shard;
+pub mod source;
 pub mod status;
+#[cfg(feature = "seal")]
+pub mod testkit;
 #[cfg(feature = "seal")]
 pub mod testseal;
 pub mod view;

@@ -258,7 +258,7 @@ impl<B> Opens<B> {
         let opened = match &memory {
             Some(m) => open_backing(m.file()),
             None => match self.view.verbatim_file(node) {
-                Ok(f) => open_backing(f.as_ref()),
+                Ok(f) => open_backing(f),
                 Err(e) => {
                     log::error!("{}: {e}", self.view.path_of(ino));
                     return None;
