@@ -180,14 +180,14 @@ impl<B> Opens<B> {
         }
     }
 
-    /// Whether the memory limit has room for `bytes` more, after giving back what can be.
+    /// Whether the memory limit has room for `bytes` more, after giving back what must be.
     fn room_for(&self, bytes: u64) -> bool {
         let Some(guard) = &self.guard else {
             return true;
         };
-        guard.room_for(bytes) || {
-            let freed = self.reclaim().give_back(bytes);
-            freed > 0 && guard.room_for(bytes)
+        match guard.shortfall(bytes) {
+            0 => true,
+            short => self.reclaim().give_back(short) > 0 && guard.room_for(bytes),
         }
     }
 

@@ -104,7 +104,13 @@ impl Guard {
     /// Whether `bytes` more stay under the high watermark now; yes when the usage cannot
     /// be read (the budgets alone then keep the limit).
     pub fn room_for(&self, bytes: u64) -> bool {
-        self.usage().is_none_or(|u| bytes <= self.marks.room(u))
+        self.shortfall(bytes) == 0
+    }
+
+    /// How much must be given back for `bytes` more to stay under the high watermark now.
+    pub fn shortfall(&self, bytes: u64) -> u64 {
+        self.usage()
+            .map_or(0, |u| bytes.saturating_sub(self.marks.room(u)))
     }
 }
 
@@ -253,6 +259,7 @@ mod tests {
         ));
         // 140 MiB in use of a high mark at 480 MiB.
         assert!(guard.room_for(340 * MIB) && !guard.room_for(341 * MIB));
+        assert_eq!(guard.shortfall(400 * MIB), 60 * MIB);
         let watcher = {
             let asked = asked.clone();
             Watcher::start(
