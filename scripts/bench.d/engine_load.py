@@ -1,0 +1,124 @@
+#!/usr/bin/env python3
+"""The engine side of scripts/bench's engine-start measurement; runs in the e2e venv
+(torch, transformers, safetensors; sglang where scripts/e2e installed it).
+
+  engine_load.py make OUT [--layers 28] [--vocab 151936]
+      a Qwen3-shaped checkpoint (Qwen3-0.6B's shape by default: hidden 1024, 16 heads of
+      128, 8 KV heads, tied embeddings; 1.1 GiB of BF16) with seeded random weights, as
+      OUT/config.json + OUT/model.safetensors
+  engine_load.py transformers PATH
+      import torch and transformers, then AutoModelForCausalLM.from_pretrained(PATH); one
+      JSON line: import_s, load_s, end (epoch seconds when loaded), params, probe
+  engine_load.py sglang-worker
+      import SGLang's loader once, then for each line "VARIANT PATH" on stdin, consume
+      safetensors_weights_iterator over PATH's shards (VARIANT: default, disable_mmap,
+      prefetch, both) and answer one JSON line: seconds, bytes, tensors, probe
+
+probe: a digest of every tensor's name, dtype, shape and first and last elements, so the
+caller can tell that the sealed model loaded as the plain one.
+"""
+
+import hashlib
+import json
+import sys
+import time
+
+T_START = time.time()
+
+
+def probe(named):
+    h = hashlib.sha256()
+    for name, t in named:
+        flat = t.detach().reshape(-1)
+        h.update(f"{name}:{t.dtype}:{tuple(t.shape)}".encode())
+        if flat.numel():
+            h.update(flat[:1].float().numpy().tobytes() + flat[-1:].float().numpy().tobytes())
+    return h.hexdigest()[:16]
+
+
+def make(out, layers, vocab):
+    import os
+
+    import torch
+    from safetensors.torch import save_file
+    from transformers import AutoModelForCausalLM, Qwen3Config
+
+    cfg = Qwen3Config(hidden_size=1024, intermediate_size=3072, num_hidden_layers=layers,
+                      num_attention_heads=16, num_key_value_heads=8, head_dim=128,
+                      vocab_size=vocab, tie_word_embeddings=True, max_position_embeddings=4096,
+                      torch_dtype="bfloat16")
+    with torch.device("meta"):
+        shapes = {n: p.shape for n, p in AutoModelForCausalLM.from_config(cfg).state_dict().items()}
+    shapes.pop("lm_head.weight", None)  # tied to the embeddings
+    g = torch.Generator().manual_seed(0)
+    tensors = {}
+    for n, shape in sorted(shapes.items()):
+        t = torch.randn(shape, generator=g, dtype=torch.float32) * 0.02
+        if n.endswith("norm.weight"):
+            t += 1.0
+        tensors[n] = t.to(torch.bfloat16)
+    os.makedirs(out, exist_ok=True)
+    save_file(tensors, os.path.join(out, "model.safetensors"), metadata={"format": "pt"})
+    cfg.save_pretrained(out)
+    size = os.path.getsize(os.path.join(out, "model.safetensors"))
+    print(json.dumps({"params": sum(t.numel() for t in tensors.values()), "bytes": size}))
+
+
+def transformers_load(path):
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    t1 = time.time()
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16)
+    t2 = time.time()
+    named = sorted(model.state_dict().items())
+    print(json.dumps({"import_s": t1 - T_START, "load_s": t2 - t1, "end": t2,
+                      "params": sum(t.numel() for _, t in named), "probe": probe(named)}))
+
+
+VARIANTS = {"default": {}, "disable_mmap": {"disable_mmap": True},
+            "prefetch": {"prefetch": True}, "both": {"disable_mmap": True, "prefetch": True}}
+
+
+def sglang_worker():
+    import glob
+    import os
+
+    from sglang.srt.model_loader.weight_utils import safetensors_weights_iterator
+
+    print(json.dumps({"ready": True, "import_s": time.time() - T_START}), flush=True)
+    for line in sys.stdin:
+        variant, path = line.split(maxsplit=1)
+        files = sorted(glob.glob(os.path.join(path.strip(), "*.safetensors")))
+        t0 = time.perf_counter()
+        named, n = [], 0
+        for name, t in safetensors_weights_iterator(files, **VARIANTS[variant]):
+            n += t.numel() * t.element_size()
+            named.append((name, t))
+        dt = time.perf_counter() - t0
+        print(json.dumps({"seconds": dt, "bytes": n, "tensors": len(named),
+                          "probe": probe(sorted(named, key=lambda x: x[0]))}), flush=True)
+
+
+def main():
+    cmd = sys.argv[1]
+    if cmd == "make":
+        import argparse
+
+        ap = argparse.ArgumentParser()
+        ap.add_argument("cmd")
+        ap.add_argument("out")
+        ap.add_argument("--layers", type=int, default=28)
+        ap.add_argument("--vocab", type=int, default=151936)
+        a = ap.parse_args()
+        make(a.out, a.layers, a.vocab)
+    elif cmd == "transformers":
+        transformers_load(sys.argv[2])
+    elif cmd == "sglang-worker":
+        sglang_worker()
+    else:
+        raise SystemExit(f"engine_load.py: unknown command {cmd}")
+
+
+if __name__ == "__main__":
+    main()
