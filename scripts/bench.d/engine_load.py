@@ -7,12 +7,15 @@
       128, 8 KV heads, tied embeddings; 1.1 GiB of BF16) with seeded random weights, as
       OUT/config.json + OUT/model.safetensors
   engine_load.py transformers PATH
-      import torch and transformers, then AutoModelForCausalLM.from_pretrained(PATH); one
-      JSON line: import_s, load_s, end (epoch seconds when loaded), params, probe
+      import torch and transformers, then AutoModelForCausalLM.from_pretrained(PATH), then
+      every parameter read once (a sum: what the first forward pass touches, since a
+      loader may keep parameters as views of a memory map); one JSON line: import_s,
+      load_s, touch_s, end (epoch seconds when touched), params, probe
   engine_load.py sglang-worker
       import SGLang's loader once, then for each line "VARIANT PATH" on stdin, consume
       safetensors_weights_iterator over PATH's shards (VARIANT: default, disable_mmap,
-      prefetch, both) and answer one JSON line: seconds, bytes, tensors, probe
+      prefetch, both), each tensor copied as a model's load_weights copies it into its
+      parameter, and answer one JSON line: seconds, bytes, tensors, probe
 
 probe: a digest of every tensor's name, dtype, shape and first and last elements, so the
 caller can tell that the sealed model loaded as the plain one.
@@ -71,8 +74,12 @@ def transformers_load(path):
     t1 = time.time()
     model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16)
     t2 = time.time()
+    with torch.no_grad():
+        for p in model.parameters():
+            p.sum()
+    t3 = time.time()
     named = sorted(model.state_dict().items())
-    print(json.dumps({"import_s": t1 - T_START, "load_s": t2 - t1, "end": t2,
+    print(json.dumps({"import_s": t1 - T_START, "load_s": t2 - t1, "touch_s": t3 - t2, "end": t3,
                       "params": sum(t.numel() for _, t in named), "probe": probe(named)}))
 
 
@@ -93,6 +100,7 @@ def sglang_worker():
         t0 = time.perf_counter()
         named, n = [], 0
         for name, t in safetensors_weights_iterator(files, **VARIANTS[variant]):
+            t = t.clone()  # every byte read, as param.data.copy_(loaded_weight) does
             n += t.numel() * t.element_size()
             named.append((name, t))
         dt = time.perf_counter() - t0

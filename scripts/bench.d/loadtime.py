@@ -130,14 +130,14 @@ def one_round(b, r, ds, res, undisturbed, loader=True):
 
 
 def estimate_minutes(a, engines):
-    """A rough forecast of a run's length on the reference machine (2 cores, virtio disk
-    near 1 GiB/s): seconds per GiB read or decoded, per mount, per engine start."""
-    gib = (a.mib + a.v1_mib) / 1024
-    warm = 60 * gib  # the page-cache rounds (pre-#17 part), per round
-    cold = (len(COLD_SYSTEMS) * 2.5 + len(DELAYED_SYSTEMS) * (DELAY_S + 2.5)) * gib \
-        + len(LOADER_SYSTEMS) * len(LOADER_PATTERNS) * 3.0 * a.mib / 1024
-    setup = 40 * gib + 30 + (0 if a.no_decode else 60)
+    """A forecast of a run's length on the reference machine (2 idle cores, a virtio disk),
+    from its phases' costs there: seconds per GiB of data per round in each condition, per
+    engine round per GiB of engine model, and fixed costs."""
+    gib, v2 = (a.mib + a.v1_mib) / 1024, a.mib / 1024
+    page_cache = 50 * gib + 10  # seven measurements x five systems, reopens, the 4 GiB shard
+    cold = 32 * gib + 36 * v2  # five cold reads and two delayed per set; the loader view
+    setup = 20 * gib + 30 + (0 if a.no_decode else 60)
     eng = 0
     if engines:
-        eng = 90 + a.engine_rounds * (4 * 25 + 8 * 12) * a.engine_gib
-    return (setup + a.rounds * (warm + cold) + eng) / 60
+        eng = 30 * a.engine_gib + a.engine_rounds * (40 + 100 * a.engine_gib)
+    return (setup + a.rounds * (page_cache + cold) + eng) / 60

@@ -375,15 +375,17 @@ class Report:
           "cache dropped first (the engine's own imports come from the disk too); warm: the "
           "model's files (sealed or plain) read into the page cache first. transformers: a "
           "fresh process imports torch and transformers, then `AutoModelForCausalLM."
-          "from_pretrained(..., dtype=bfloat16)`; whole: from starting kllm-mount (sealed) or "
-          "the process (plain) to the model loaded. SGLang: `safetensors_weights_iterator` "
-          "over the shard, consumed, in a process that imported SGLang beforehand, fresh "
-          "mount each. Every load is checked to give the plain model's tensors.")
+          "from_pretrained(..., dtype=bfloat16)`, then every parameter read once (a sum: what "
+          "the first forward pass touches); whole: from starting kllm-mount (sealed) or the "
+          "process (plain) to that. SGLang: `safetensors_weights_iterator` over the shard, "
+          "each tensor copied (as `load_weights` copies it into its parameter), in a process "
+          "that imported SGLang beforehand, fresh mount each. Every load is checked to give the plain model's tensors.")
         w("")
         w("| engine | condition | figure | plain | sealed | sealed / plain (paired) |")
         w("|---|---|---|---:|---:|---:|")
         for cond in CONDITIONS:
             for key, label in (("import_s", "import"), ("load_s", "from_pretrained"),
+                               ("touch_s", "every parameter read once"),
                                ("whole_s", "whole process")):
                 cells = [fmt_med([r["transformers"][cond][m][key] for r in er], " s", 2)
                          for m in MODELS]
