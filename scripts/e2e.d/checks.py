@@ -304,8 +304,8 @@ class View:
 
 
 @guarded("listing")
-def view_listing(v: View):
-    mnt, ref = v.mnt, v.ref
+def view_listing(view: View):
+    mnt, ref = view.mnt, view.ref
     got, want = rel_files(mnt), rel_files(ref)
     extra, missing = sorted(set(got) - set(want)), sorted(set(want) - set(got))
     return got == want, f"{len(got)} files" + (
@@ -313,8 +313,8 @@ def view_listing(v: View):
 
 
 @guarded("hidden")
-def view_hidden(v: View):
-    mnt = v.mnt
+def view_hidden(view: View):
+    mnt = view.mnt
     bad = []
     for name in HIDDEN:
         if name in os.listdir(mnt):
@@ -328,8 +328,8 @@ def view_hidden(v: View):
 
 
 @guarded("config.json")
-def view_config(v: View):
-    mnt, sealed = v.mnt, v.sealed
+def view_config(view: View):
+    mnt, sealed = view.mnt, view.sealed
     got = json.loads((mnt / "config.json").read_bytes())
     want = json.loads((sealed / "config.json").read_bytes())
     want["kllm"].pop("lock", None)
@@ -338,8 +338,8 @@ def view_config(v: View):
 
 
 @guarded("secret-files")
-def view_secret_files(v: View):
-    mnt, ref = v.mnt, v.ref
+def view_secret_files(view: View):
+    mnt, ref = view.mnt, view.ref
     from kllm.keyed import keys  # noqa: F401 - the secret files come from the reference
     bad, names = [], []
     for name in ("tokenizer.json", "vocab.json"):
@@ -352,8 +352,8 @@ def view_secret_files(v: View):
 
 
 @guarded("other-files")
-def view_other_files(v: View):
-    mnt, sealed, ref = v.mnt, v.sealed, v.ref
+def view_other_files(view: View):
+    mnt, sealed, ref = view.mnt, view.sealed, view.ref
     bad, n = [], 0
     for rel in rel_files(ref):
         if rel.endswith(".safetensors") or rel in ("config.json", "tokenizer.json",
@@ -367,8 +367,8 @@ def view_other_files(v: View):
 
 
 @guarded("shard-headers")
-def view_shard_headers(v: View):
-    mnt, sealed, ref = v.mnt, v.sealed, v.ref
+def view_shard_headers(view: View):
+    mnt, sealed, ref = view.mnt, view.sealed, view.ref
     bad = []
     for rel in shards(ref):
         st_m, st_s = os.stat(mnt / rel), os.stat(sealed / rel)
@@ -398,8 +398,8 @@ def view_shard_headers(v: View):
 
 
 @guarded("read-only")
-def view_read_only(v: View):
-    mnt = v.mnt
+def view_read_only(view: View):
+    mnt = view.mnt
     bad = []
     for rel, mode in (("config.json", "r+b"), ("new-file", "wb")):
         try:
