@@ -728,7 +728,8 @@ def sglang_weights_iterator(mnt: Path, ref: Path):
 def sglang_get_config(mnt: Path, ref: Path):
     from sglang.srt.utils.hf_transformers_utils import get_config
 
-    got, want = get_config(str(mnt)).to_dict(), get_config(str(ref)).to_dict()
+    got = get_config(str(mnt), trust_remote_code=False).to_dict()
+    want = get_config(str(ref), trust_remote_code=False).to_dict()
     diff = sorted(k for k in set(got) | set(want) if got.get(k) != want.get(k))
     return not diff, (f"differs at {diff[:5]}" if diff else
                       f"{got.get('model_type')}, {len(got)} fields equal")
