@@ -730,6 +730,8 @@ def sglang_get_config(mnt: Path, ref: Path):
 
     got = get_config(str(mnt), trust_remote_code=False).to_dict()
     want = get_config(str(ref), trust_remote_code=False).to_dict()
+    for c in (got, want):
+        c.pop("_name_or_path", None)  # the directory it was read from
     diff = sorted(k for k in set(got) | set(want) if got.get(k) != want.get(k))
     return not diff, (f"differs at {diff[:5]}" if diff else
                       f"{got.get('model_type')}, {len(got)} fields equal")
