@@ -306,21 +306,24 @@ class Report:
           "in the same round.")
         w("")
         systems = loadtime.COLD_SYSTEMS
-        w("| data set | figure | " + " | ".join(systems) + " | kllm / raw | kllm-fuse / raw |")
-        w("|---|---|" + "---:|" * len(systems) + "---:|---:|")
+        pairs = [(s, peer) for s in KLLMS for peer in ("raw", "bindfs", "gocryptfs")]
+        w("| data set | figure | " + " | ".join(systems) + " | "
+          + " | ".join(f"{s} / {peer}" for s, peer in pairs) + " |")
+        w("|---|---|" + "---:|" * (len(systems) + len(pairs)))
         for ds in self.b.data:
             rs = [r["datasets"][ds] for r in rounds]
             w(f"| {ds} | full read, MiB/s | " + " | ".join(
                 f"{med([x['cold_disk'][s] for x in rs]):.0f}" for s in systems) + " | "
-              + " | ".join(fmt_ratio(p.of(ds, "cold_disk", s, "cold_disk", "raw")) for s in KLLMS)
-              + " |")
+              + " | ".join(fmt_ratio(p.of(ds, "cold_disk", s, "cold_disk", peer))
+                           for s, peer in pairs) + " |")
             w(f"| {ds} | first 4 KiB, ms | " + " | ".join(
-                fmt_med([x["cold_first_ms"][s] for x in rs], "", 1) for s in systems) + " | | |")
+                fmt_med([x["cold_first_ms"][s] for x in rs], "", 1) for s in systems)
+              + " |" * (len(pairs) + 1))
             dl = loadtime.DELAYED_SYSTEMS
             w(f"| {ds} | {loadtime.DELAY_S:.0f} s delayed open, full read, MiB/s | " + " | ".join(
                 f"{med([x['delayed'][s] for x in rs]):.0f}" if s in dl else "-" for s in systems)
-              + " | " + " | ".join(fmt_ratio(p.of(ds, "delayed", s, "cold_disk", "raw"))
-                                   for s in KLLMS) + " |")
+              + " | " + " | ".join(fmt_ratio(p.of(ds, "delayed", s, "cold_disk", peer))
+                                   for s, peer in pairs) + " |")
         w("")
 
     def loader_view(self):
