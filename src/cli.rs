@@ -10,6 +10,7 @@ use clap::{CommandFactory, Parser};
 use crate::budget::{self, Budgets};
 use crate::daemon::{self, Served, Settings};
 use crate::key;
+use crate::limits::Limits;
 use crate::mounttab::{expand_options, Ours};
 use crate::passthrough::{Requested, ServeMode};
 use crate::sealed::{self, Options, Verify};
@@ -44,9 +45,10 @@ pub struct Args {
     #[arg(short = 'f', long)]
     pub foreground: bool,
     /// Budget of decoded data kept with no open file (K/M/G suffixes; 0 disables it): FUSE-mode
-    /// blocks, and in passthrough mode whole shards after their last close.
-    #[arg(long, value_name = "SIZE", default_value = "256M", value_parser = parse_size)]
-    pub cache_size: u64,
+    /// blocks, and in passthrough mode whole shards after their last close. Default: 256M,
+    /// or a quarter of what a memory limit leaves (src/budget.rs).
+    #[arg(long, value_name = "SIZE", value_parser = parse_size)]
+    pub cache_size: Option<u64>,
     /// FUSE options, comma-separated (e.g. allow_other; never on by default). Every long option
     /// is also taken here as name=value (key=FILE, cache_size=1G, foreground, ...), as
     /// mount(8) and fstab pass them.
@@ -67,7 +69,8 @@ pub struct Args {
     #[arg(long, value_enum, default_value_t = Requested::Auto)]
     pub mode: Requested,
     /// Memory for decoded shards in passthrough mode (K/M/G suffixes); an open past it is
-    /// served through FUSE. Default: half the machine's memory (src/budget.rs).
+    /// served through FUSE. Default: what the memory limit (cgroup, rlimit) leaves after the
+    /// cache and the daemon's own; half the machine's memory without one (src/budget.rs).
     #[arg(long, value_name = "SIZE", value_parser = parse_size)]
     pub passthrough_memory: Option<u64>,
     /// When files are checked against the manifest (kllm-manifest.json): `open` hashes each
@@ -153,24 +156,34 @@ impl Args {
         self.mountpoint.as_deref().expect("MOUNTPOINT is required")
     }
 
-    /// The memory budgets these flags give on this machine.
-    pub fn budgets(&self) -> Budgets {
-        let flags = budget::Flags {
+    pub fn memory_flags(&self) -> budget::Flags {
+        budget::Flags {
             cache_size: self.cache_size,
             passthrough_memory: self.passthrough_memory,
-        };
-        Budgets::decide(flags, budget::process_memory())
+        }
+    }
+
+    /// The memory budgets these flags give under `limits`.
+    pub fn budgets(&self, limits: &Limits) -> Budgets {
+        let in_use = limits.usage().unwrap_or(0);
+        Budgets::decide(
+            self.memory_flags(),
+            limits.effective(),
+            in_use,
+            self.threads,
+        )
     }
 
     /// What the daemon needs from the command line.
-    pub fn settings(&self, budgets: &Budgets) -> Settings {
+    pub fn settings(&self, budgets: &Budgets, limits: Limits) -> Settings {
         Settings {
             source: self.sealed().to_path_buf(),
             mountpoint: self.mountpoint().to_path_buf(),
             fuse_options: self.options.clone(),
             threads: self.threads,
             readahead: self.readahead,
-            kept_shards: budgets.kept_shards,
+            budgets: budgets.clone(),
+            limits,
         }
     }
 
@@ -243,7 +256,8 @@ pub fn prepare(args: &Args, budgets: &Budgets) -> Result<Served> {
         scrub_env(&[key::KEY_ENV, key::PASSPHRASE_ENV]);
         sealed::open(args.sealed(), &model_key, &key_source, &opts)?
     };
-    let mode = ServeMode::choose(args.mode, budgets.passthrough_memory)?;
+    let mode =
+        ServeMode::choose(args.mode, budgets.passthrough_memory)?.with_note(budgets.describe());
     Ok(Served { view, mode })
 }
 
@@ -382,9 +396,17 @@ pub fn main() {
     if let Err(e) = init_logging(&args, !args.foreground) {
         fail(&e);
     }
-    let budgets = args.budgets();
+    let limits = Limits::of_this_process();
+    let budgets = args.budgets(&limits);
+    if let Some(w) = budgets.warnings(args.memory_flags()) {
+        // The daemon logs to syslog: the command's terminal gets the warning too.
+        if !args.foreground && args.log_file.is_none() {
+            eprintln!("kllm-mount: warning: {w}");
+        }
+        log::warn!("{w}");
+    }
     let served = prepare(&args, &budgets).unwrap_or_else(|e| fail(&e));
-    let settings = args.settings(&budgets);
+    let settings = args.settings(&budgets, limits);
     if args.foreground {
         // systemd Type=notify readiness (src/notify.rs).
         let ready = |r: Result<()>| {

@@ -11,7 +11,8 @@ use fuser::{
 };
 
 use crate::metrics::Stats;
-use crate::passthrough::{Opened, Opens, ServeMode};
+use crate::passthrough::{Opened, Opens, Reclaim, ServeMode};
+use crate::pressure::Guard;
 use crate::secmem::SecureBuf;
 use crate::view::{Ino, Kind, View};
 
@@ -44,12 +45,23 @@ pub struct KllmFs {
 impl KllmFs {
     /// `kept_shards`: bytes of decoded shards kept after their last close, for a reopen
     /// (src/budget.rs).
-    pub fn new(view: Arc<View>, mode: Arc<ServeMode>, kept_shards: u64) -> KllmFs {
+    /// `guard`: the memory limit a passthrough decode must leave room under.
+    pub fn new(
+        view: Arc<View>,
+        mode: Arc<ServeMode>,
+        kept_shards: u64,
+        guard: Arc<Guard>,
+    ) -> KllmFs {
         KllmFs {
-            opens: Opens::new(view.clone(), mode, kept_shards),
+            opens: Opens::new(view.clone(), mode, kept_shards).with_guard(guard),
             view,
             on_destroy: None,
         }
+    }
+
+    /// What can be given back under memory pressure (src/pressure.rs).
+    pub fn reclaim(&self) -> Reclaim {
+        self.opens.reclaim()
     }
 
     /// Run `f` when the session ends. fuser 0.18 unmounts the mount point path again when

@@ -11,13 +11,14 @@
 //! of each inode to answer every open in the mode the kernel accepts. It is generic over
 //! the kernel's backing handle so it can be tested without a kernel.
 
-use std::collections::{HashMap, VecDeque};
+use std::collections::{HashMap, HashSet, VecDeque};
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::Arc;
 
 use parking_lot::Mutex;
 
 use crate::memfs::{MemoryFile, MemoryFs};
+use crate::pressure::Guard;
 use crate::view::{Content, Ino, Node, View};
 use crate::{Error, ReadError, Result};
 
@@ -39,6 +40,8 @@ pub struct ServeMode {
     memory: Option<MemoryFs>,
     on: AtomicBool,
     why_not: Mutex<Option<String>>,
+    /// The other budgets and the limit they come from, for the log line.
+    note: Option<String>,
 }
 
 impl ServeMode {
@@ -59,6 +62,7 @@ impl ServeMode {
                 memory: Some(m),
                 on: AtomicBool::new(true),
                 why_not: Mutex::new(None),
+                note: None,
             }),
             Err(why) if requested == Requested::Passthrough => Err(Error::new(format!(
                 "--mode passthrough is not possible here: {why}"
@@ -68,8 +72,15 @@ impl ServeMode {
                 memory: None,
                 on: AtomicBool::new(false),
                 why_not: Mutex::new(Some(why)),
+                note: None,
             }),
         }
+    }
+
+    /// What the startup log line adds after the mode: the budgets and their limit.
+    pub fn with_note(mut self, note: String) -> ServeMode {
+        self.note = Some(note);
+        self
     }
 
     pub fn requested(&self) -> Requested {
@@ -117,13 +128,14 @@ impl ServeMode {
 
     /// The one log line saying which mode is in use and why.
     pub fn log(&self) {
+        let note = self.note.as_deref().unwrap_or("");
         match (self.describe(), &self.memory) {
             (("passthrough", _), Some(m)) => log::warn!(
-                "serving in passthrough mode: the kernel reads decoded shards from private memory (budget {} MiB)",
+                "serving in passthrough mode: the kernel reads decoded shards from private memory (budget {} MiB; {note})",
                 m.budget() >> 20
             ),
             ((_, why), _) => log::warn!(
-                "serving through FUSE: {}",
+                "serving through FUSE: {} ({note})",
                 why.unwrap_or_else(|| "passthrough unavailable".into())
             ),
         }
@@ -137,6 +149,9 @@ pub struct Opens<B> {
     view: Arc<View>,
     mode: Arc<ServeMode>,
     table: OpenTable<B>,
+    guard: Option<Arc<Guard>>,
+    /// Files already logged as served through FUSE for lack of memory.
+    told: Mutex<HashSet<Ino>>,
 }
 
 impl<B> Opens<B> {
@@ -146,6 +161,40 @@ impl<B> Opens<B> {
             view,
             mode,
             table: OpenTable::new(kept_shards),
+            guard: None,
+            told: Mutex::new(HashSet::new()),
+        }
+    }
+
+    /// Decode a shard only while the memory limit has room for it (src/pressure.rs).
+    pub fn with_guard(mut self, guard: Arc<Guard>) -> Opens<B> {
+        self.guard = Some(guard);
+        self
+    }
+
+    /// What can be given back under memory pressure.
+    pub fn reclaim(&self) -> Reclaim {
+        Reclaim {
+            kept: self.table.kept.clone(),
+            view: self.view.clone(),
+        }
+    }
+
+    /// Whether the memory limit has room for `bytes` more, after giving back what must be.
+    fn room_for(&self, bytes: u64) -> bool {
+        let Some(guard) = &self.guard else {
+            return true;
+        };
+        match guard.shortfall(bytes) {
+            0 => true,
+            short => self.reclaim().give_back(short) > 0 && guard.room_for(bytes),
+        }
+    }
+
+    /// Log once per file why it is served through FUSE.
+    fn tell_once(&self, ino: Ino, why: std::fmt::Arguments<'_>) {
+        if self.told.lock().insert(ino) {
+            log::warn!("{}: {why}; served through FUSE", self.view.path_of(ino));
         }
     }
 
@@ -245,6 +294,28 @@ impl<B> Opens<B> {
     /// last close make room; failing that, the open is served through FUSE.
     fn decode(&self, ino: Ino, node: &Node) -> Option<Arc<MemoryFile>> {
         let memory = self.mode.passthrough()?;
+        let size = node.attr.size;
+        if size > memory.budget() {
+            self.tell_once(
+                ino,
+                format_args!(
+                    "its {} MiB do not fit the passthrough memory ({} MiB)",
+                    size >> 20,
+                    memory.budget() >> 20
+                ),
+            );
+            return None;
+        }
+        if !self.room_for(size) {
+            self.tell_once(
+                ino,
+                format_args!(
+                    "the memory limit has no room for its {} MiB now",
+                    size >> 20
+                ),
+            );
+            return None;
+        }
         let fill = |buf: &mut [u8]| self.view.read_whole(ino, buf);
         let started = std::time::Instant::now();
         let mut result = memory.fill(node.attr.size, fill);
@@ -279,6 +350,30 @@ fn is_full(e: &ReadError) -> bool {
     matches!(e, ReadError::Io(e) if e.raw_os_error() == Some(libc::ENOSPC))
 }
 
+/// What a mount can let go of at any time, to stay under its memory limit: decoded shards
+/// kept after their last close (oldest first), then the FUSE path's cached blocks, then
+/// the wiped buffers kept for reuse. Shared with the pressure watcher (src/pressure.rs).
+#[derive(Clone)]
+pub struct Reclaim {
+    kept: Arc<Mutex<Kept>>,
+    view: Arc<View>,
+}
+
+impl Reclaim {
+    /// Free at least `bytes` if that much can be freed; returns the bytes freed. A kept
+    /// shard still mapped by a reader is freed by the kernel at its last unmap.
+    pub fn give_back(&self, bytes: u64) -> u64 {
+        let mut freed = self.kept.lock().shed(bytes);
+        if freed < bytes {
+            freed += self.view.cache().shed(bytes - freed);
+        }
+        if freed < bytes {
+            freed += crate::secmem::drain_pool();
+        }
+        freed
+    }
+}
+
 /// How one open is served.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum OpenMode {
@@ -311,7 +406,7 @@ pub struct OpenTable<B> {
     inodes: Mutex<HashMap<Ino, Arc<Mutex<InodeOpens<B>>>>>,
     handles: Mutex<HashMap<u64, (Ino, OpenMode)>>,
     next_fh: AtomicU64,
-    kept: Mutex<Kept>,
+    kept: Arc<Mutex<Kept>>,
 }
 
 /// Decoded shards with no open handle, newest last, held within `budget` bytes so a
@@ -329,6 +424,18 @@ impl Kept {
     fn take(&mut self, ino: Ino) -> Option<Arc<MemoryFile>> {
         let i = self.shards.iter().position(|(i, _)| *i == ino)?;
         self.shards.remove(i).map(|(_, m)| m)
+    }
+
+    /// Let go of the oldest kept shards until `bytes` are freed (or none is left).
+    fn shed(&mut self, bytes: u64) -> u64 {
+        let mut freed = 0;
+        while freed < bytes {
+            match self.shards.pop_front() {
+                Some((_, m)) => freed += m.len(),
+                None => break,
+            }
+        }
+        freed
     }
 
     fn keep(&mut self, ino: Ino, memory: Arc<MemoryFile>) {
@@ -349,10 +456,10 @@ impl<B> OpenTable<B> {
             inodes: Mutex::new(HashMap::new()),
             handles: Mutex::new(HashMap::new()),
             next_fh: AtomicU64::new(1),
-            kept: Mutex::new(Kept {
+            kept: Arc::new(Mutex::new(Kept {
                 shards: VecDeque::new(),
                 budget: keep_budget,
-            }),
+            })),
         }
     }
 
