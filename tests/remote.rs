@@ -692,3 +692,39 @@ fn an_aws_profile_gives_keys_region_and_endpoint() {
     m.mount(c);
     assert_view(&w.case, &m, "AWS_PROFILE", 30);
 }
+
+#[test]
+fn the_key_sources_work_on_a_remote_source() {
+    let Some(w) = faulty() else {
+        return;
+    };
+    let endpoint = w.server.endpoint();
+    // The key shipped beside the sealed files, in the bucket.
+    w.server.put(
+        BUCKET,
+        "with-key/kllm.key",
+        &fs::read(w.case.dir.join("kllm.key")).unwrap(),
+    );
+    w.server.put_tree(BUCKET, "with-key", &w.case.sealed(), &[]);
+    let m = Mnt::new();
+    let mut c = remote_cmd(&m, &format!("s3://{BUCKET}/with-key"));
+    c.args(["--endpoint-url", &endpoint, "--mode", "fuse"]);
+    m.mount(c);
+    assert_view(&w.case, &m, "kllm.key in the bucket", 40);
+    drop(m);
+    // KLLM_MODEL_KEY, and no key file anywhere.
+    let m = Mnt::new();
+    let hex = fs::read_to_string(w.case.dir.join("key.hex")).unwrap();
+    let mut c = remote_cmd(&m, &format!("s3://{BUCKET}/m"));
+    c.args(["--endpoint-url", &endpoint, "--mode", "fuse"])
+        .env("KLLM_MODEL_KEY", hex.trim());
+    m.mount(c);
+    assert_view(&w.case, &m, "KLLM_MODEL_KEY", 41);
+    drop(m);
+    // None: one line naming where a key was looked for.
+    let m = Mnt::new();
+    let mut c = remote_cmd(&m, &format!("s3://{BUCKET}/m"));
+    c.args(["--endpoint-url", &endpoint]);
+    let err = assert_refused(&m, c, "no key");
+    assert!(err.contains(&format!("s3://{BUCKET}/m/kllm.key")), "{err}");
+}
