@@ -165,7 +165,16 @@ impl Args {
 
     /// The memory budgets these flags give under `limits`.
     pub fn budgets(&self, limits: &Limits) -> Budgets {
-        let in_use = limits.usage().unwrap_or(0);
+        let mut in_use = limits.usage().unwrap_or(0);
+        // A remote source's fetched parts are working memory too.
+        if self
+            .sealed
+            .as_deref()
+            .and_then(|s| Location::parse(s).ok())
+            .is_some_and(|l| l.is_remote())
+        {
+            in_use = in_use.saturating_add(self.source_memory);
+        }
         Budgets::decide(
             self.memory_flags(),
             limits.effective(),
