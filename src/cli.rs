@@ -14,6 +14,7 @@ use crate::limits::Limits;
 use crate::mounttab::{expand_options, Ours};
 use crate::passthrough::{Requested, ServeMode};
 use crate::sealed::{self, Options, Verify};
+use crate::source::Location;
 use crate::{Error, Result};
 
 #[derive(Parser, Debug)]
@@ -23,7 +24,8 @@ use crate::{Error, Result};
     about = "Mount a kLLM-sealed checkpoint read-only, decoded in memory, as a plain Hugging Face checkpoint"
 )]
 pub struct Args {
-    /// The sealed model directory.
+    /// The sealed model: a directory, `s3://BUCKET/PREFIX` (any S3-compatible service), or
+    /// `https://HOST/PATH/` (`http://` too; the files are those its kllm-manifest.json lists).
     #[arg(required_unless_present = "status")]
     sealed: Option<PathBuf>,
     /// Where to show the unlocked view (an existing directory).
@@ -84,6 +86,36 @@ pub struct Args {
     /// Append log lines to FILE (the daemon otherwise logs to syslog; -f logs to stderr).
     #[arg(long, value_name = "FILE")]
     pub log_file: Option<PathBuf>,
+    /// s3:// sources: the S3 endpoint (MinIO, Ceph RGW, R2, ...; http:// allowed). Default:
+    /// $AWS_ENDPOINT_URL, else AWS.
+    #[arg(long, value_name = "URL")]
+    pub endpoint_url: Option<String>,
+    /// Remote sources: keep the fetched sealed bytes (still locked) in DIR, so a restart or
+    /// a second mount on this node does not download them again.
+    #[arg(long, value_name = "DIR")]
+    pub cache_dir: Option<PathBuf>,
+    /// The bound of --cache-dir (K/M/G/T suffixes); least recently used parts go first.
+    #[arg(long, value_name = "SIZE", default_value = "16G", value_parser = parse_size)]
+    pub cache_dir_size: u64,
+    /// Remote sources: a read not served within SECS seconds (retries included) fails with
+    /// EIO; mount-time requests are bounded the same way.
+    #[arg(long, value_name = "SECS", default_value_t = 60,
+          value_parser = clap::value_parser!(u64).range(1..=3600))]
+    pub source_timeout: u64,
+    /// Remote sources: bytes per ranged GET (K/M/G suffixes).
+    #[arg(long, value_name = "SIZE", default_value = "8M", value_parser = parse_part_size)]
+    pub part_size: u64,
+    /// Remote sources: memory for fetched parts, in flight and read ahead (K/M/G suffixes).
+    #[arg(long, value_name = "SIZE", default_value = "512M", value_parser = parse_size)]
+    pub source_memory: u64,
+}
+
+fn parse_part_size(text: &str) -> Result<u64, String> {
+    let n = parse_size(text)?;
+    if !(4096..=(256 << 20)).contains(&n) {
+        return Err(format!("{text:?}: a part is 4K to 256M"));
+    }
+    Ok(n)
 }
 
 /// Parse `256M`, `1G`, `4096`, `64k` (binary units).
@@ -133,7 +165,16 @@ impl Args {
 
     /// The memory budgets these flags give under `limits`.
     pub fn budgets(&self, limits: &Limits) -> Budgets {
-        let in_use = limits.usage().unwrap_or(0);
+        let mut in_use = limits.usage().unwrap_or(0);
+        // A remote source's fetched parts are working memory too.
+        if self
+            .sealed
+            .as_deref()
+            .and_then(|s| Location::parse(s).ok())
+            .is_some_and(|l| l.is_remote())
+        {
+            in_use = in_use.saturating_add(self.source_memory);
+        }
         Budgets::decide(
             self.memory_flags(),
             limits.effective(),
@@ -152,6 +193,23 @@ impl Args {
             readahead: self.readahead,
             budgets: budgets.clone(),
             limits,
+        }
+    }
+
+    /// How a remote source is reached and bounded.
+    pub fn remote_settings(&self) -> crate::source::remote::RemoteSettings {
+        use crate::source::remote::{RemoteSettings, Tuning};
+        RemoteSettings {
+            endpoint_url: self.endpoint_url.clone(),
+            cache_dir: self.cache_dir.clone(),
+            cache_dir_size: self.cache_dir_size,
+            manifest: self.manifest.clone(),
+            tuning: Tuning {
+                part_size: self.part_size,
+                memory: self.source_memory.max(2 * self.part_size),
+                timeout: std::time::Duration::from_secs(self.source_timeout),
+                ..Tuning::default()
+            },
         }
     }
 }
@@ -173,21 +231,40 @@ pub fn prepare(args: &Args, budgets: &Budgets) -> Result<Served> {
         Ok(_) => return Err(Error::at(mp, "mount point is not a directory")),
         Err(e) => return Err(Error::at(mp, format!("mount point is not usable ({e})"))),
     }
-    // A wrong path is answered as such, not as a missing key (one is looked for in it).
-    check_source(args.sealed())?;
-    let (model_key, source) = key::resolve(
-        args.key.as_deref(),
-        args.sealed(),
-        &key::passphrase_from_env_or_prompt,
-    )?;
-    scrub_env(&[key::KEY_ENV, key::PASSPHRASE_ENV]);
     let opts = Options {
         verify: args.verify,
         manifest: args.manifest.clone(),
         manifest_sha256: args.manifest_sha256.clone(),
         ..Options::with_cache(budgets.block_cache)
     };
-    let view = sealed::open(args.sealed(), &model_key, &source, &opts)?;
+    let location = Location::parse(args.sealed())?;
+    let view = if location.is_remote() {
+        // The source first: a key shipped beside the sealed files comes from it.
+        let source = location.open(&args.remote_settings())?;
+        let shipped = || shipped_key(&*source);
+        let (model_key, key_source) = key::resolve_with_shipped(
+            args.key.as_deref(),
+            args.sealed(),
+            &shipped,
+            &key::passphrase_from_env_or_prompt,
+        )?;
+        // The client holds the credentials now; its threads stop while the environment is
+        // rewritten, and start again on the next request.
+        crate::source::remote::quiesce_for_fork();
+        scrub_env(&[key::KEY_ENV, key::PASSPHRASE_ENV]);
+        scrub_env(&crate::source::remote::SECRET_ENV);
+        sealed::open_source(&*source, &model_key, &key_source, &opts)?
+    } else {
+        // A wrong path is answered as such, not as a missing key (one is looked for in it).
+        check_source(args.sealed())?;
+        let (model_key, key_source) = key::resolve(
+            args.key.as_deref(),
+            args.sealed(),
+            &key::passphrase_from_env_or_prompt,
+        )?;
+        scrub_env(&[key::KEY_ENV, key::PASSPHRASE_ENV]);
+        sealed::open(args.sealed(), &model_key, &key_source, &opts)?
+    };
     let mode =
         ServeMode::choose(args.mode, budgets.passthrough_memory)?.with_note(budgets.describe());
     Ok(Served { view, mode })
@@ -204,6 +281,21 @@ fn check_source(sealed: &Path) -> Result<()> {
     }
 }
 
+/// `kllm.key` of a remote source, when it has one.
+fn shipped_key(source: &dyn crate::source::Source) -> Result<Option<zeroize::Zeroizing<String>>> {
+    let rel = Path::new(key::SHIPPED_KEY);
+    let Ok(object) = source.open(rel) else {
+        return Ok(None);
+    };
+    let bytes = zeroize::Zeroizing::new(
+        crate::source::read_all(&*object)
+            .map_err(|e| Error::at(&source.at(rel), format!("cannot read key file ({e})")))?,
+    );
+    let text = std::str::from_utf8(&bytes)
+        .map_err(|_| Error::at(&source.at(rel), "key file is not UTF-8 text"))?;
+    Ok(Some(zeroize::Zeroizing::new(text.to_string())))
+}
+
 /// Remove secrets from the environment: from what children (fusermount3) inherit, and
 /// from the process's initial environment block, which /proc/PID/environ shows.
 fn scrub_env(names: &[&str]) {
@@ -211,7 +303,8 @@ fn scrub_env(names: &[&str]) {
         let Ok(c) = std::ffi::CString::new(*name) else {
             continue;
         };
-        // SAFETY: single-threaded (no thread is started before the view is built). getenv
+        // SAFETY: single-threaded (no thread is started before the view is built, and a
+        // remote source's threads are stopped before this is called). getenv
         // points into the environment's `NAME=value` bytes; after the entry is removed from
         // the environment those bytes are no longer referenced and are overwritten.
         unsafe {

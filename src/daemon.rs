@@ -334,8 +334,10 @@ fn detach(mountpoint: &Path) -> std::io::Result<()> {
 }
 
 /// Fork a daemon that mounts and serves, then exits. The parent returns once the mount
-/// answers, or with the daemon's error. No thread exists yet, so forking is safe.
+/// answers, or with the daemon's error. No thread exists then (a remote source's I/O
+/// threads are stopped first, and started again on their next use), so forking is safe.
 pub fn daemonize(settings: &Settings, served: Served) -> Result<()> {
+    crate::source::remote::quiesce_for_fork();
     let mut fds = [0i32; 2];
     // SAFETY: pipe2 fills two descriptors we then own.
     if unsafe { libc::pipe2(fds.as_mut_ptr(), libc::O_CLOEXEC) } != 0 {

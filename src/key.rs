@@ -323,25 +323,49 @@ pub fn resolve(
     sealed: &Path,
     passphrase: &dyn Fn(&Path) -> Result<Zeroizing<String>>,
 ) -> Result<(ModelKey, KeySource)> {
-    let load = |path: &Path| -> Result<ModelKey> {
-        let text = Zeroizing::new(
-            std::fs::read_to_string(path)
-                .map_err(|e| Error::at(path, format!("cannot read key file ({e})")))?,
-        );
-        parse_key_file(path, &text, || passphrase(path))
+    let shipped = sealed.join(SHIPPED_KEY);
+    let read_shipped = || -> Result<Option<Zeroizing<String>>> {
+        if !shipped.is_file() {
+            return Ok(None);
+        }
+        read_key_text(&shipped).map(Some)
     };
+    resolve_with_shipped(explicit, sealed, &read_shipped, passphrase)
+}
+
+fn read_key_text(path: &Path) -> Result<Zeroizing<String>> {
+    std::fs::read_to_string(path)
+        .map(Zeroizing::new)
+        .map_err(|e| Error::at(path, format!("cannot read key file ({e})")))
+}
+
+/// [`resolve`] for a sealed directory that is not a local one (object storage): its
+/// `kllm.key`, when it has one, comes from `shipped`.
+pub fn resolve_with_shipped(
+    explicit: Option<&Path>,
+    sealed: &Path,
+    shipped: &dyn Fn() -> Result<Option<Zeroizing<String>>>,
+    passphrase: &dyn Fn(&Path) -> Result<Zeroizing<String>>,
+) -> Result<(ModelKey, KeySource)> {
+    let parse = |path: &Path, text: &str| parse_key_file(path, text, || passphrase(path));
     if let Some(path) = explicit {
-        return Ok((load(path)?, KeySource::File(path.to_path_buf())));
+        let text = read_key_text(path)?;
+        return Ok((parse(path, &text)?, KeySource::File(path.to_path_buf())));
     }
     if let Ok(hexed) = std::env::var(KEY_ENV) {
         let hexed = Zeroizing::new(hexed);
         let key = ModelKey::from_hex(&hexed).map_err(|e| Error::new(format!("${KEY_ENV}: {e}")))?;
         return Ok((key, KeySource::Env));
     }
+    let shipped_path = sealed.join(SHIPPED_KEY);
+    if let Some(text) = shipped()? {
+        return Ok((parse(&shipped_path, &text)?, KeySource::File(shipped_path)));
+    }
     let candidates = default_key_files(sealed);
-    for path in &candidates {
+    for path in candidates.iter().skip(1) {
         if path.is_file() {
-            return Ok((load(path)?, KeySource::File(path.clone())));
+            let text = read_key_text(path)?;
+            return Ok((parse(path, &text)?, KeySource::File(path.clone())));
         }
     }
     let tried: Vec<String> = candidates.iter().map(|p| p.display().to_string()).collect();

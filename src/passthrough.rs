@@ -244,10 +244,13 @@ impl<B> Opens<B> {
         open_backing: &impl Fn(&std::fs::File) -> std::io::Result<B>,
     ) -> Option<Backing<B>> {
         // Under a manifest a verbatim file is copied into memory as it is checked, so a
-        // later rewrite of the sealed file cannot reach the kernel unchecked.
+        // later rewrite of the sealed file cannot reach the kernel unchecked; so is one with
+        // no local file to hand the kernel (a remote source's).
         let copy = match &node.content {
             Content::Shard { .. } => true,
-            Content::Verbatim { .. } => node.integrity.is_some(),
+            Content::Verbatim(object) => {
+                node.integrity.is_some() || !matches!(object.local_file(), Ok(Some(_)))
+            }
             Content::Memory(_) | Content::Dir(_) => return None,
         };
         let memory = match (copy, kept) {

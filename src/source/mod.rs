@@ -11,8 +11,19 @@
 //! (format facts, in `sealed`), and decoding (in `shard` and `lock`).
 //!
 //! - [`local`]: a local directory, with the link rules of the mount.
+//! - [`s3`]: a prefix of an S3-compatible bucket; [`http`]: any server answering ranged
+//!   GETs, its files named by the manifest. Both read through [`remote`] (parts, prefetch,
+//!   retries, version checks), with the optional [`node_cache`] on local disk; [`profile`]
+//!   reads `AWS_PROFILE`.
+//! - [`location`]: `<SEALED>` on the command line (a path or a URL) and the source it names.
 
+pub mod http;
 pub mod local;
+pub mod location;
+pub mod node_cache;
+pub mod profile;
+pub mod remote;
+pub mod s3;
 
 use std::fs::File;
 use std::io;
@@ -23,6 +34,7 @@ use std::time::SystemTime;
 use sha2::{Digest, Sha256};
 
 pub use local::LocalDir;
+pub use location::Location;
 
 use crate::{ReadError, Result};
 

@@ -1,0 +1,386 @@
+#!/usr/bin/env python3
+"""Remote sources, measured: one sealed shard served by a local S3 server (s3s-fs), read
+through `kllm-mount s3://` in each serving mode (the mount included), next to the server's
+own limit and the usual ways to get a checkpoint out of a bucket. See docs/PERFORMANCE.md.
+
+Systems (each reads the whole shard once, sequentially, 1 MiB at a time, cold):
+  ranged-gets     parallel ranged GETs of the plain shard into memory (boto3, 16 MiB parts,
+                  16 in flight): the server's limit on this machine
+  download-read   boto3 download_file of the plain shard to local disk, then read it
+  kllm-fuse       kllm-mount s3://... --mode fuse, mount + read
+  kllm-pt         kllm-mount s3://... --mode passthrough, mount + open (decode) + read
+  kllm-s3fs       kllm-mount over an s3fs-fuse mount of the sealed prefix (when s3fs works)
+  rclone          rclone mount of the plain prefix (when rclone works)
+For kllm-mount also: time to the first byte (from the mount command's start) and the
+daemon's peak memory (VmHWM).
+"""
+
+import argparse
+import json
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+
+MiB = 1 << 20
+READ = 1 << 20
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+TARGET = os.environ.get("CARGO_TARGET_DIR", os.path.join(ROOT, "target"))
+KLLM = os.path.join(TARGET, "release", "kllm-mount")
+GEN = os.path.join(TARGET, "release", "examples", "bench-shard")
+ACCESS, SECRET = "AKBENCHKLLM", "SKBENCHKLLMnotsecret"
+BUCKET = "bench"
+
+
+def log(*a):
+    print(*a, file=sys.stderr, flush=True)
+
+
+def drop_caches():
+    os.sync()
+    with open("/proc/sys/vm/drop_caches", "w") as f:
+        f.write("3\n")
+
+
+def warm(path):
+    with open(path, "rb", buffering=0) as f:
+        while f.read(8 * MiB):
+            pass
+
+
+def free_port():
+    s = socket.socket()
+    s.bind(("127.0.0.1", 0))
+    port = s.getsockname()[1]
+    s.close()
+    return port
+
+
+def read_all(path, first=None):
+    """Read a file sequentially; (bytes, seconds, seconds to the first byte from `first`)."""
+    t0 = time.perf_counter()
+    fd = os.open(path, os.O_RDONLY)
+    buf = bytearray(READ)
+    mv = memoryview(buf)
+    total, off, t_first = 0, 0, None
+    try:
+        while True:
+            n = os.preadv(fd, [mv], off)
+            if t_first is None:
+                t_first = time.perf_counter() - (first if first is not None else t0)
+            if n <= 0:
+                break
+            off += n
+            total += n
+    finally:
+        os.close(fd)
+    return total, time.perf_counter() - t0, t_first
+
+
+def is_mounted(mnt):
+    real = os.path.realpath(mnt)
+    with open("/proc/self/mountinfo") as f:
+        return any(line.split()[4] == real for line in f)
+
+
+def unmount(mnt):
+    for _ in range(50):
+        if not is_mounted(mnt):
+            return
+        if subprocess.run(["fusermount3", "-u", mnt], stderr=subprocess.DEVNULL).returncode == 0:
+            break
+        time.sleep(0.1)
+    if is_mounted(mnt):
+        subprocess.run(["fusermount3", "-uz", mnt], stderr=subprocess.DEVNULL)
+    time.sleep(0.2)
+
+
+def daemon_pid(mnt):
+    for d in os.listdir("/proc"):
+        if not d.isdigit():
+            continue
+        try:
+            with open(f"/proc/{d}/cmdline", "rb") as f:
+                if mnt.encode() in f.read().split(b"\0"):
+                    return int(d)
+        except OSError:
+            pass
+    return None
+
+
+def vm_hwm_kib(pid):
+    try:
+        with open(f"/proc/{pid}/status") as f:
+            for line in f:
+                if line.startswith("VmHWM:"):
+                    return int(line.split()[1])
+    except OSError:
+        pass
+    return None
+
+
+class Bench:
+    def __init__(self, a):
+        self.a = a
+        self.work = a.work
+        self.data = os.path.join(self.work, "s3root")
+        self.mnt = os.path.join(self.work, "mnt")
+        self.mnt2 = os.path.join(self.work, "mnt2")
+        os.makedirs(self.mnt, exist_ok=True)
+        os.makedirs(self.mnt2, exist_ok=True)
+        self.port = free_port()
+        self.endpoint = f"http://127.0.0.1:{self.port}"
+        self.env = dict(os.environ, AWS_ACCESS_KEY_ID=ACCESS, AWS_SECRET_ACCESS_KEY=SECRET,
+                        AWS_REGION="us-east-1", AWS_ENDPOINT_URL=self.endpoint)
+        self.server = None
+
+    # ------------------------------------------------------------ data and server
+
+    def make_data(self):
+        gen = os.path.join(self.work, "gen")
+        if not os.path.exists(os.path.join(gen, "kllm.key")):
+            log(f"making a {self.a.mib} MiB sealed shard")
+            subprocess.run([GEN, "shard", gen, "--mib", str(self.a.mib)], check=True)
+        # s3s-fs serves each folder of its root as a bucket.
+        bucket = os.path.join(self.data, BUCKET)
+        if not os.path.isdir(bucket):
+            os.makedirs(bucket)
+            shutil.copytree(os.path.join(gen, "sealed"), os.path.join(bucket, "sealed"))
+            shutil.copytree(os.path.join(gen, "plain"), os.path.join(bucket, "plain"))
+        self.key = os.path.join(gen, "kllm.key")
+        self.plain = os.path.join(gen, "plain", "model.safetensors")
+        self.size = os.path.getsize(self.plain)
+
+    def start_server(self):
+        self.server = subprocess.Popen(
+            [self.a.s3s_fs, "--host", "127.0.0.1", "--port", str(self.port),
+             "--access-key", ACCESS, "--secret-key", SECRET, self.data],
+            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        for _ in range(200):
+            try:
+                socket.create_connection(("127.0.0.1", self.port), timeout=0.2).close()
+                return
+            except OSError:
+                time.sleep(0.05)
+        raise SystemExit("s3s-fs did not answer")
+
+    def cold(self):
+        """Page cache dropped, then the server's files read back in: every system finds the
+        server warm and itself cold (the server's disk is not what is measured)."""
+        drop_caches()
+        for d, _, files in os.walk(self.data):
+            for f in files:
+                warm(os.path.join(d, f))
+
+    def s3(self):
+        import boto3
+        from botocore.config import Config
+        return boto3.client("s3", endpoint_url=self.endpoint, aws_access_key_id=ACCESS,
+                            aws_secret_access_key=SECRET, region_name="us-east-1",
+                            config=Config(max_pool_connections=32))
+
+    # ------------------------------------------------------------ systems
+
+    def ranged_gets(self):
+        c = self.s3()
+        part, inflight = 16 * MiB, 16
+        parts = [(o, min(part, self.size - o)) for o in range(0, self.size, part)]
+        out = bytearray(self.size)
+        lock, it = threading.Lock(), iter(parts)
+        t0 = time.perf_counter()
+
+        def work():
+            while True:
+                with lock:
+                    p = next(it, None)
+                if p is None:
+                    return
+                off, n = p
+                body = c.get_object(Bucket=BUCKET, Key="plain/model.safetensors",
+                                    Range=f"bytes={off}-{off + n - 1}")["Body"].read()
+                assert len(body) == n
+                out[off:off + n] = body
+
+        ts = [threading.Thread(target=work) for _ in range(inflight)]
+        for t in ts:
+            t.start()
+        for t in ts:
+            t.join()
+        return {"seconds": time.perf_counter() - t0}
+
+    def download_read(self):
+        c = self.s3()
+        dst = os.path.join(self.work, "downloaded.safetensors")
+        t0 = time.perf_counter()
+        c.download_file(BUCKET, "plain/model.safetensors", dst)
+        n, _, _ = read_all(dst)
+        dt = time.perf_counter() - t0
+        os.unlink(dst)
+        assert n == self.size
+        return {"seconds": dt}
+
+    def kllm(self, mode, source):
+        t0 = time.perf_counter()
+        subprocess.run([KLLM, source, self.mnt, "--key", self.key, "--mode", mode,
+                        "--cache-size", "0"], check=True, env=self.env)
+        t_mount = time.perf_counter() - t0
+        pid = daemon_pid(self.mnt)
+        n, _, first = read_all(os.path.join(self.mnt, "model.safetensors"), first=t0)
+        dt = time.perf_counter() - t0
+        hwm = vm_hwm_kib(pid) if pid else None
+        unmount(self.mnt)
+        assert n == self.size, (n, self.size)
+        return {"seconds": dt, "mount_s": t_mount, "first_byte_s": first, "daemon_hwm_mib":
+                hwm / 1024 if hwm else None}
+
+    def kllm_over_s3fs(self):
+        if not shutil.which("s3fs"):
+            return {"skipped": "s3fs not installed"}
+        pw = os.path.join(self.work, "s3fs.passwd")
+        with open(pw, "w") as f:
+            f.write(f"{ACCESS}:{SECRET}\n")
+        os.chmod(pw, 0o600)
+        t0 = time.perf_counter()
+        r = subprocess.run(["s3fs", f"{BUCKET}:/sealed", self.mnt2, "-o", f"passwd_file={pw}",
+                            "-o", f"url={self.endpoint}", "-o", "use_path_request_style",
+                            "-o", "parallel_count=16", "-o", "multipart_size=16"],
+                           capture_output=True, text=True)
+        if r.returncode != 0 or not is_mounted(self.mnt2):
+            return {"skipped": f"s3fs did not mount: {r.stderr.strip()[:200]}"}
+        try:
+            res = self.kllm("fuse", self.mnt2)
+            res["seconds"] = time.perf_counter() - t0
+            return res
+        except Exception as e:  # noqa: BLE001
+            return {"skipped": f"kllm-mount over s3fs failed: {e}"}
+        finally:
+            unmount(self.mnt)
+            unmount(self.mnt2)
+
+    def rclone(self):
+        if not shutil.which("rclone"):
+            return {"skipped": "rclone not installed"}
+        # A CA bundle meant for https elsewhere is of no use on http and rclone fails on it.
+        env = {k: v for k, v in os.environ.items() if k != "AWS_CA_BUNDLE"}
+        env.update(RCLONE_CONFIG_B_TYPE="s3", RCLONE_CONFIG_B_PROVIDER="Other",
+                   RCLONE_CONFIG_B_ACCESS_KEY_ID=ACCESS, RCLONE_CONFIG_B_SECRET_ACCESS_KEY=SECRET,
+                   RCLONE_CONFIG_B_ENDPOINT=self.endpoint)
+        t0 = time.perf_counter()
+        p = subprocess.Popen(["rclone", "mount", f"B:{BUCKET}/plain", self.mnt2, "--read-only",
+                              "--vfs-cache-mode", "off", "--buffer-size", "64M"],
+                             env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+        for _ in range(600):
+            if is_mounted(self.mnt2):
+                break
+            if p.poll() is not None:
+                return {"skipped": f"rclone exited: {p.stderr.read().decode()[-300:]}"}
+            time.sleep(0.05)
+        else:
+            p.kill()
+            return {"skipped": f"rclone did not mount in 30 s: {p.stderr.read().decode()[-300:]}"}
+        try:
+            n, _, first = read_all(os.path.join(self.mnt2, "model.safetensors"), first=t0)
+            assert n == self.size
+            return {"seconds": time.perf_counter() - t0, "first_byte_s": first}
+        finally:
+            unmount(self.mnt2)
+            p.send_signal(signal.SIGTERM)
+            p.wait()
+
+    # ------------------------------------------------------------ the run
+
+    def run(self):
+        self.make_data()
+        self.start_server()
+        source = f"s3://{BUCKET}/sealed"
+        systems = [
+            ("ranged-gets", self.ranged_gets),
+            ("download-read", self.download_read),
+            ("kllm-fuse", lambda: self.kllm("fuse", source)),
+            ("kllm-pt", lambda: self.kllm("passthrough", source)),
+            ("kllm-s3fs", self.kllm_over_s3fs),
+            ("rclone", self.rclone),
+        ]
+        results = {name: [] for name, _ in systems}
+        try:
+            for r in range(self.a.rounds):
+                for name, fn in systems:
+                    self.cold()
+                    res = fn()
+                    if "seconds" in res:
+                        res["mb_s"] = self.size / MiB / res["seconds"]
+                    log(f"round {r + 1} {name}: {json.dumps(res)}")
+                    results[name].append(res)
+        finally:
+            unmount(self.mnt)
+            unmount(self.mnt2)
+            if self.server:
+                self.server.terminate()
+                self.server.wait()
+        return results
+
+
+def median(xs):
+    xs = sorted(x for x in xs if x is not None)
+    return xs[len(xs) // 2] if xs else None
+
+
+def report(results, size, a):
+    lines = [f"# Remote source: one {size / MiB:.0f} MiB shard from s3s-fs on 127.0.0.1",
+             "", f"{a.rounds} rounds, medians; MiB/s over the whole shard (mount included).", "",
+             "| system | MiB/s | s | first byte s | daemon peak MiB |", "|---|---|---|---|---|"]
+    med = {}
+    for name, runs in results.items():
+        if runs and all("skipped" in r for r in runs):
+            why = " ".join(runs[0]["skipped"].split()).replace("|", "/")
+            lines.append(f"| {name} | skipped: {why} | | | |")
+            continue
+        m = {k: median([r.get(k) for r in runs]) for k in
+             ("mb_s", "seconds", "first_byte_s", "daemon_hwm_mib")}
+        med[name] = m
+        f = lambda v, d=2: "" if v is None else f"{v:.{d}f}"  # noqa: E731
+        lines.append(f"| {name} | {f(m['mb_s'], 0)} | {f(m['seconds'])} | "
+                     f"{f(m['first_byte_s'], 3)} | {f(m['daemon_hwm_mib'], 0)} |")
+    lines.append("")
+    for mode in ("kllm-fuse", "kllm-pt"):
+        if mode in med and "ranged-gets" in med and "download-read" in med:
+            lines.append(f"- {mode}: {med[mode]['mb_s'] / med['ranged-gets']['mb_s']:.2f}x the "
+                         f"server's limit (target >= 0.8x), "
+                         f"{med[mode]['mb_s'] / med['download-read']['mb_s']:.2f}x "
+                         f"download-then-read (target >= 1.3x)")
+    return "\n".join(lines) + "\n"
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--mib", type=int, default=512, help="shard size (default 512)")
+    p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--work", default=None, help="data folder (default: a temporary one)")
+    p.add_argument("--s3s-fs", required=True, help="the s3s-fs server program")
+    p.add_argument("--out", default=None, help="write the report here too")
+    a = p.parse_args()
+    tmp = None
+    if a.work is None:
+        tmp = a.work = tempfile.mkdtemp(prefix="kllm-bench-s3.")
+    try:
+        b = Bench(a)
+        results = b.run()
+        text = report(results, b.size, a)
+        print(text)
+        if a.out:
+            with open(a.out, "w") as f:
+                f.write(text)
+            with open(a.out + ".json", "w") as f:
+                json.dump(results, f, indent=1)
+    finally:
+        if tmp:
+            shutil.rmtree(tmp, ignore_errors=True)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,107 @@
+//! `<SEALED>` on the command line: a local directory, `s3://BUCKET/PREFIX`, or
+//! `http(s)://HOST/PATH/`; and opening the source it names.
+
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+
+use super::http::HttpSource;
+use super::local::LocalDir;
+use super::remote::RemoteSettings;
+use super::s3::S3Source;
+use super::Source;
+use crate::{Error, Result};
+
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Location {
+    Local(PathBuf),
+    S3(url::Url),
+    Http(url::Url),
+}
+
+impl Location {
+    pub fn parse(sealed: &Path) -> Result<Location> {
+        let Some(text) = sealed.to_str() else {
+            return Ok(Location::Local(sealed.to_path_buf()));
+        };
+        let scheme = text.split_once("://").map(|(s, _)| s.to_ascii_lowercase());
+        let remote = match scheme.as_deref() {
+            Some("s3") => true,
+            Some("http" | "https") => false,
+            _ => return Ok(Location::Local(sealed.to_path_buf())),
+        };
+        // Never repeat a URL that may hold credentials: name it without them.
+        let bare = |u: &url::Url| {
+            let mut u = u.clone();
+            let _ = u.set_username("");
+            let _ = u.set_password(None);
+            u.set_query(None);
+            u.set_fragment(None);
+            u.to_string()
+        };
+        let url = url::Url::parse(text).map_err(|e| {
+            Error::at(
+                Path::new(text.split_once('@').map_or(text, |(_, rest)| rest)),
+                format!("not a URL ({e})"),
+            )
+        })?;
+        if !url.username().is_empty() || url.password().is_some() {
+            return Err(Error::at(
+                Path::new(&bare(&url)),
+                "credentials in the URL are not taken: give them in the environment \
+                 (AWS_ACCESS_KEY_ID, ...) or an AWS profile",
+            ));
+        }
+        if url.query().is_some() || url.fragment().is_some() {
+            return Err(Error::at(
+                Path::new(&bare(&url)),
+                "a query or fragment in the URL is not taken (it may hold a token)",
+            ));
+        }
+        Ok(if remote {
+            Location::S3(url)
+        } else {
+            Location::Http(url)
+        })
+    }
+
+    pub fn is_remote(&self) -> bool {
+        !matches!(self, Location::Local(_))
+    }
+
+    /// The source it names, listed and ready to open files.
+    pub fn open(&self, settings: &RemoteSettings) -> Result<Arc<dyn Source>> {
+        Ok(match self {
+            Location::Local(dir) => Arc::new(LocalDir::new(dir)?),
+            Location::S3(url) => Arc::new(S3Source::open(url, settings)?),
+            Location::Http(url) => Arc::new(HttpSource::open(url, settings)?),
+        })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn urls_and_paths() {
+        let p = |s: &str| Location::parse(Path::new(s));
+        assert_eq!(
+            p("/srv/model").unwrap(),
+            Location::Local("/srv/model".into())
+        );
+        assert_eq!(p("s3:model").unwrap(), Location::Local("s3:model".into()));
+        assert!(matches!(p("s3://bucket/a/b").unwrap(), Location::S3(_)));
+        assert!(matches!(p("S3://bucket").unwrap(), Location::S3(_)));
+        assert!(matches!(p("https://h/x/").unwrap(), Location::Http(_)));
+        assert!(matches!(
+            p("http://127.0.0.1:9/x").unwrap(),
+            Location::Http(_)
+        ));
+        let e = p("https://user:secret@h/x").unwrap_err().to_string();
+        assert!(e.contains("credentials") && !e.contains("secret"), "{e}");
+        let e = p("https://h/x?X-Amz-Signature=abc")
+            .unwrap_err()
+            .to_string();
+        assert!(!e.contains("abc"), "{e}");
+    }
+}

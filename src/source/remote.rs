@@ -1,0 +1,909 @@
+//! What every remote source shares: the runtime that drives the requests, the ranged reads in
+//! parts, the parts kept in memory, the prefetch window and the node cache.
+//!
+//! A remote object is read in aligned parts of [`Tuning::part_size`] bytes, each one ranged
+//! GET carrying the object's ETag (`If-Match`), so a part of another version of the object is
+//! never served: the server answers 412 and every later read of that object fails with
+//! `ReadError::Changed` (EIO), as a rewritten local shard does. Parts are fetched on a tokio
+//! runtime the source owns; the caller (a FUSE worker, a rayon thread) blocks until the parts
+//! it needs are in. Many parts are in flight at once (bounded by [`Tuning::in_flight`]), and a
+//! read that continues where an earlier one ended widens that object's prefetch window (up to
+//! [`Tuning::max_window`] parts), so a sequential reader finds its next parts already there.
+//! Fetched parts are kept in one LRU of [`Tuning::memory`] bytes shared by all objects.
+//!
+//! Failures: `object_store` retries 5xx, throttling, timeouts and resets with backoff; a body
+//! shorter than asked is retried here; a part that cannot be had within [`Tuning::timeout`]
+//! fails its read with EIO. Nothing here ever returns bytes that are not the object's.
+
+use std::collections::BTreeMap;
+use std::fmt;
+use std::num::NonZeroUsize;
+use std::ops::Range;
+use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::{Arc, Weak};
+use std::time::{Duration, Instant, SystemTime};
+
+use bytes::Bytes;
+use futures::future::{BoxFuture, FutureExt, Shared};
+use object_store::path::Path as StorePath;
+use object_store::{
+    BackoffConfig, ClientOptions, GetOptions, GetRange, ObjectMeta, ObjectStore, RetryConfig,
+};
+use parking_lot::Mutex;
+
+use super::node_cache::NodeCache;
+use super::{Entry, Object};
+use crate::view::{Attr, Kind};
+use crate::{Error, ReadError, Result};
+
+/// How remote reads are cut and bounded.
+#[derive(Debug, Clone)]
+pub struct Tuning {
+    /// Bytes per ranged GET (and per node-cache file).
+    pub part_size: u64,
+    /// GETs in flight at once, over all objects.
+    pub in_flight: usize,
+    /// Fetched parts kept in memory, over all objects (bytes).
+    pub memory: u64,
+    /// The widest prefetch window, in parts.
+    pub max_window: u64,
+    /// A part not had by then fails its read (EIO); retries happen within it.
+    pub timeout: Duration,
+}
+
+impl Default for Tuning {
+    fn default() -> Self {
+        Tuning {
+            part_size: 8 << 20,
+            in_flight: 32,
+            memory: 512 << 20,
+            max_window: 32,
+            timeout: Duration::from_secs(60),
+        }
+    }
+}
+
+/// The credentials the environment may hold, removed from it once a client holds them.
+pub const SECRET_ENV: [&str; 2] = ["AWS_SECRET_ACCESS_KEY", "AWS_SESSION_TOKEN"];
+
+/// Settings of a remote source, from the command line and the environment.
+#[derive(Debug, Clone, Default)]
+pub struct RemoteSettings {
+    /// An S3 endpoint (`--endpoint-url`); `AWS_ENDPOINT_URL` otherwise.
+    pub endpoint_url: Option<String>,
+    /// The node cache of sealed bytes (`--cache-dir`) and its bound in bytes.
+    pub cache_dir: Option<std::path::PathBuf>,
+    pub cache_dir_size: u64,
+    /// `--manifest`: for an HTTP source, the list of its files.
+    pub manifest: Option<std::path::PathBuf>,
+    pub tuning: Tuning,
+}
+
+/// The HTTP client's settings: each request bounded in time; plain `http://` only when the
+/// endpoint asks for it.
+pub(crate) fn client_options(tuning: &Tuning, allow_http: bool) -> ClientOptions {
+    let request = tuning.timeout.min(Duration::from_secs(30));
+    ClientOptions::new()
+        .with_allow_http(allow_http)
+        .with_timeout(request)
+        .with_connect_timeout(request.min(Duration::from_secs(5)))
+        .with_pool_max_idle_per_host(tuning.in_flight.max(1))
+}
+
+/// Retries with backoff on 5xx, throttling, timeouts and resets, all within the read's bound.
+pub(crate) fn retry_config(tuning: &Tuning) -> RetryConfig {
+    RetryConfig {
+        backoff: BackoffConfig {
+            init_backoff: Duration::from_millis(50),
+            max_backoff: Duration::from_secs(2),
+            base: 2.0,
+        },
+        max_retries: 6,
+        retry_timeout: tuning.timeout,
+    }
+}
+
+/// The entries of a source whose objects are named by `/`-separated keys: the root, then
+/// each folder's entries sorted by name, depth first, folders implied by the keys. Keys that
+/// cannot be a path in the view (empty parts, `.`, `..`, a folder marker) are left out.
+pub(crate) fn listing<'a>(objects: impl Iterator<Item = (&'a str, u64, SystemTime)>) -> Vec<Entry> {
+    #[derive(Default)]
+    struct Dir {
+        dirs: BTreeMap<String, Dir>,
+        files: BTreeMap<String, (u64, SystemTime)>,
+    }
+    let mut root = Dir::default();
+    for (key, size, mtime) in objects {
+        let parts: Vec<&str> = key.split('/').collect();
+        if parts
+            .iter()
+            .any(|p| p.is_empty() || *p == "." || *p == "..")
+        {
+            if !key.ends_with('/') {
+                log::warn!("{key}: not a path the view can show; not shown");
+            }
+            continue;
+        }
+        let (name, dirs) = parts.split_last().expect("split gives one part at least");
+        let mut d = &mut root;
+        for p in dirs {
+            d = d.dirs.entry(p.to_string()).or_default();
+        }
+        d.files.insert(name.to_string(), (size, mtime));
+    }
+    let (uid, gid) = (
+        rustix::process::geteuid().as_raw(),
+        rustix::process::getegid().as_raw(),
+    );
+    let attr = |kind: Kind, size: u64, t: SystemTime| Attr {
+        kind,
+        size,
+        perm: if kind == Kind::Dir { 0o555 } else { 0o444 },
+        uid,
+        gid,
+        atime: t,
+        mtime: t,
+        ctime: t,
+    };
+    let now = SystemTime::now();
+    let mut out = vec![Entry {
+        path: PathBuf::new(),
+        content_path: PathBuf::new(),
+        attr: attr(Kind::Dir, 0, now),
+    }];
+    fn walk(
+        d: &Dir,
+        rel: &std::path::Path,
+        out: &mut Vec<Entry>,
+        attr: &dyn Fn(Kind, u64, SystemTime) -> Attr,
+        now: SystemTime,
+    ) {
+        // One sorted sequence of names, as a local directory lists them.
+        let mut names: Vec<(&String, bool)> = d
+            .dirs
+            .keys()
+            .map(|n| (n, true))
+            .chain(
+                d.files
+                    .keys()
+                    .filter(|n| !d.dirs.contains_key(*n))
+                    .map(|n| (n, false)),
+            )
+            .collect();
+        names.sort();
+        for (name, is_dir) in names {
+            let path = rel.join(name);
+            if is_dir {
+                out.push(Entry {
+                    path: path.clone(),
+                    content_path: path.clone(),
+                    attr: attr(Kind::Dir, 0, now),
+                });
+                walk(&d.dirs[name], &path, out, attr, now);
+            } else {
+                let (size, mtime) = d.files[name];
+                out.push(Entry {
+                    path: path.clone(),
+                    content_path: path,
+                    attr: attr(Kind::File, size, mtime),
+                });
+            }
+        }
+    }
+    walk(&root, std::path::Path::new(""), &mut out, &attr, now);
+    out
+}
+
+/// Why a part could not be had; cloned to every reader waiting for it.
+#[derive(Debug, Clone)]
+pub(crate) enum Fail {
+    /// The object is not the version that was mounted.
+    Changed,
+    Io(Arc<str>),
+}
+
+impl Fail {
+    fn io(why: impl fmt::Display) -> Fail {
+        Fail::Io(why.to_string().into())
+    }
+
+    fn to_read_error(&self) -> ReadError {
+        match self {
+            Fail::Changed => ReadError::Changed,
+            Fail::Io(why) => ReadError::Io(std::io::Error::other(why.to_string())),
+        }
+    }
+}
+
+type PartFuture = Shared<BoxFuture<'static, std::result::Result<Bytes, Fail>>>;
+
+/// One part, fetched or in flight.
+struct Slot {
+    fut: PartFuture,
+    /// Fetched ahead of its reader, and not read yet.
+    unread: bool,
+}
+
+/// The parts kept, over all objects of a source, least recently used first.
+struct Parts {
+    lru: lru::LruCache<(u64, u64), Slot>,
+    /// How many slots hold parts read ahead and not read yet, and how many may.
+    ahead: usize,
+    max_ahead: usize,
+}
+
+/// Makes the store's client: again after a fork, since a client's connections belong to the
+/// runtime that made them.
+pub(crate) type Connect = Box<dyn Fn() -> Result<Arc<dyn ObjectStore>> + Send + Sync>;
+
+/// A runtime and the client made on it, in the process that made them.
+struct Live {
+    runtime: tokio::runtime::Runtime,
+    store: Arc<dyn ObjectStore>,
+}
+
+/// Every remote source of this process, so [`quiesce_for_fork`] can stop their threads.
+static REMOTES: Mutex<Vec<Weak<Remote>>> = Mutex::new(Vec::new());
+
+/// Stop every remote source's runtime (its threads) before the process forks: the daemon
+/// forks with one thread. Each source starts a new runtime and client on its next use, in
+/// whichever process that is.
+pub fn quiesce_for_fork() {
+    for remote in REMOTES.lock().iter().filter_map(Weak::upgrade) {
+        // Parts had stay (the headers read at mount); fetches not done are dropped with the
+        // runtime that ran them.
+        let mut parts = remote.parts.lock();
+        let unfinished: Vec<(u64, u64)> = parts
+            .lru
+            .iter()
+            .filter(|(_, slot)| !matches!(slot.fut.peek(), Some(Ok(_))))
+            .map(|(k, _)| *k)
+            .collect();
+        for k in unfinished {
+            if let Some(slot) = parts.lru.pop(&k) {
+                parts.ahead -= slot.unread as usize;
+            }
+        }
+        drop(parts);
+        if let Some(live) = remote.live.lock().take() {
+            match Arc::try_unwrap(live) {
+                Ok(live) => live.runtime.shutdown_timeout(Duration::from_secs(2)),
+                // Still in use somewhere: never dropped here, so never waited for.
+                Err(live) => std::mem::forget(live),
+            }
+        }
+    }
+}
+
+/// The runtime, the client and the parts every object of one source shares.
+pub(crate) struct Remote {
+    connect: Connect,
+    live: Mutex<Option<Arc<Live>>>,
+    tuning: Tuning,
+    /// What messages call the store: a URL without credentials.
+    name: String,
+    gets: Arc<tokio::sync::Semaphore>,
+    parts: Mutex<Parts>,
+    next_id: AtomicU64,
+    node_cache: Option<Arc<NodeCache>>,
+}
+
+impl Remote {
+    /// A source's shared state; the client is made now, so bad settings fail the mount.
+    pub(crate) fn new(
+        connect: Connect,
+        name: String,
+        settings: &RemoteSettings,
+    ) -> Result<Arc<Remote>> {
+        let tuning = settings.tuning.clone();
+        let node_cache = match &settings.cache_dir {
+            Some(dir) => Some(Arc::new(NodeCache::open(
+                dir,
+                settings.cache_dir_size,
+                tuning.part_size,
+            )?)),
+            None => None,
+        };
+        let slots = (tuning.memory / tuning.part_size).max(2) as usize;
+        let remote = Arc::new(Remote {
+            connect,
+            live: Mutex::new(None),
+            gets: Arc::new(tokio::sync::Semaphore::new(tuning.in_flight.max(1))),
+            parts: Mutex::new(Parts {
+                lru: lru::LruCache::new(NonZeroUsize::new(slots).unwrap()),
+                ahead: 0,
+                max_ahead: slots / 2,
+            }),
+            next_id: AtomicU64::new(1),
+            tuning,
+            name,
+            node_cache,
+        });
+        remote.live()?;
+        REMOTES.lock().push(Arc::downgrade(&remote));
+        Ok(remote)
+    }
+
+    /// The runtime and client, made on first use (and after a fork).
+    fn live(&self) -> Result<Arc<Live>> {
+        let mut live = self.live.lock();
+        if let Some(l) = &*live {
+            return Ok(l.clone());
+        }
+        let runtime = tokio::runtime::Builder::new_multi_thread()
+            .worker_threads(4)
+            .thread_name("kllm-remote")
+            .enable_all()
+            .build()
+            .map_err(|e| {
+                Error::at(
+                    Path::new(&self.name),
+                    format!("cannot start the I/O runtime ({e})"),
+                )
+            })?;
+        // The client registers its connections with the runtime that is current.
+        let store = {
+            let _entered = runtime.enter();
+            (self.connect)()?
+        };
+        let l = Arc::new(Live { runtime, store });
+        *live = Some(l.clone());
+        Ok(l)
+    }
+
+    pub(crate) fn name(&self) -> &str {
+        &self.name
+    }
+
+    /// Run `f` with the client on the source's runtime from a synchronous caller, bounded in
+    /// time (mount-time work: listing, HEADs).
+    pub(crate) fn call<T, F, Fut>(
+        &self,
+        what: &str,
+        f: F,
+    ) -> Result<std::result::Result<T, object_store::Error>>
+    where
+        F: FnOnce(Arc<dyn ObjectStore>) -> Fut,
+        Fut: std::future::Future<Output = std::result::Result<T, object_store::Error>>,
+    {
+        let live = self.live()?;
+        let timeout = self.tuning.timeout;
+        let fut = f(live.store.clone());
+        Ok(live.runtime.block_on(async move {
+            match tokio::time::timeout(timeout, fut).await {
+                Ok(r) => r,
+                Err(_) => Err(object_store::Error::Generic {
+                    store: "remote",
+                    source: format!("{what}: no answer within {} s", timeout.as_secs()).into(),
+                }),
+            }
+        }))
+    }
+
+    /// One object, fixed to the version `meta` describes.
+    pub(crate) fn object(self: &Arc<Self>, meta: ObjectMeta, shown: String) -> RemoteObject {
+        RemoteObject {
+            remote: self.clone(),
+            id: self.next_id.fetch_add(1, Ordering::Relaxed),
+            shown,
+            meta,
+            changed: AtomicBool::new(false),
+            streams: Mutex::new(Streams::default()),
+        }
+    }
+
+    /// The part `idx` of `obj`: kept, in flight, or fetched now. A part read ahead
+    /// (`ahead`) is not fetched when the parts read ahead and not yet read fill half the
+    /// memory: the other half is for the parts readers wait for.
+    fn part(&self, live: &Live, obj: &RemoteObject, idx: u64, ahead: bool) -> Option<PartFuture> {
+        let mut parts = self.parts.lock();
+        let Parts {
+            lru,
+            ahead: unread,
+            max_ahead,
+        } = &mut *parts;
+        if let Some(slot) = lru.get_mut(&(obj.id, idx)) {
+            // A failed fetch is not kept: the next read tries again. One read ahead has had
+            // no reader yet, so its result is looked at here.
+            let failed = match slot.fut.peek() {
+                Some(r) => r.is_err(),
+                None => matches!(slot.fut.clone().now_or_never(), Some(Err(_))),
+            };
+            if !failed {
+                if !ahead && slot.unread {
+                    slot.unread = false;
+                    *unread -= 1;
+                }
+                return Some(slot.fut.clone());
+            }
+        }
+        if ahead && *unread >= *max_ahead {
+            return None;
+        }
+        let fut = self.fetch(live, obj, idx);
+        let slot = Slot {
+            fut: fut.clone(),
+            unread: ahead,
+        };
+        *unread += ahead as usize;
+        if let Some((_, gone)) = lru.push((obj.id, idx), slot) {
+            *unread -= gone.unread as usize;
+        }
+        Some(fut)
+    }
+
+    /// Start fetching part `idx` of `obj` on the runtime; the future resolves to its bytes.
+    fn fetch(&self, live: &Live, obj: &RemoteObject, idx: u64) -> PartFuture {
+        let range = obj.part_range(idx);
+        let job = FetchJob {
+            store: live.store.clone(),
+            gets: self.gets.clone(),
+            location: obj.meta.location.clone(),
+            e_tag: obj.meta.e_tag.clone(),
+            version: obj.meta.version.clone(),
+            size: obj.meta.size,
+            modified: obj.meta.last_modified.into(),
+            range,
+            timeout: self.tuning.timeout,
+            cache: self
+                .node_cache
+                .clone()
+                .map(|c| (c, obj.cache_key(&self.name), idx)),
+        };
+        let handle = live.runtime.spawn(job.run());
+        async move {
+            match handle.await {
+                Ok(r) => r,
+                Err(e) => Err(Fail::io(format!("fetch task failed ({e})"))),
+            }
+        }
+        .boxed()
+        .shared()
+    }
+}
+
+/// One part's fetch, owning all it needs so it runs on the runtime alone.
+struct FetchJob {
+    store: Arc<dyn ObjectStore>,
+    gets: Arc<tokio::sync::Semaphore>,
+    location: StorePath,
+    e_tag: Option<String>,
+    version: Option<String>,
+    size: u64,
+    modified: SystemTime,
+    range: Range<u64>,
+    timeout: Duration,
+    cache: Option<(Arc<NodeCache>, String, u64)>,
+}
+
+impl FetchJob {
+    async fn run(self) -> std::result::Result<Bytes, Fail> {
+        let want = (self.range.end - self.range.start) as usize;
+        if let Some((cache, key, idx)) = &self.cache {
+            let (cache, key, idx) = (cache.clone(), key.clone(), *idx);
+            let hit = tokio::task::spawn_blocking(move || cache.get(&key, idx, want))
+                .await
+                .ok()
+                .flatten();
+            if let Some(bytes) = hit {
+                return Ok(bytes);
+            }
+        }
+        let bytes = self.get_checked().await?;
+        if let Some((cache, key, idx)) = self.cache {
+            let b = bytes.clone();
+            // Kept before the part is handed out, so a daemon that ends soon after still
+            // leaves it for the next mount; a failure to keep it is logged there.
+            let _ = tokio::task::spawn_blocking(move || cache.put(&key, idx, &b)).await;
+        }
+        Ok(bytes)
+    }
+
+    /// The GET, retried here when the body comes back short (object_store retries the
+    /// request itself on 5xx, throttling, timeouts and resets), all within the timeout
+    /// from when it may start (waiting behind other GETs does not count: they are bounded
+    /// the same way).
+    async fn get_checked(&self) -> std::result::Result<Bytes, Fail> {
+        let want = self.range.end - self.range.start;
+        let mut attempt = 0u32;
+        let mut deadline = None;
+        loop {
+            attempt += 1;
+            let _permit = self.gets.acquire().await.map_err(Fail::io)?;
+            let until = *deadline.get_or_insert_with(|| Instant::now() + self.timeout);
+            let Ok(got) = tokio::time::timeout_at(until.into(), self.get_once()).await else {
+                return Err(Fail::io(format!(
+                    "{}: bytes {}..{} not had within {} s",
+                    self.location,
+                    self.range.start,
+                    self.range.end,
+                    self.timeout.as_secs()
+                )));
+            };
+            match got {
+                Ok(b) if b.len() as u64 == want => return Ok(b),
+                Ok(b) => {
+                    log::warn!(
+                        "{}: bytes {}..{}: {} of {want} bytes came back; asking again",
+                        self.location,
+                        self.range.start,
+                        self.range.end,
+                        b.len()
+                    );
+                    if attempt >= 5 {
+                        return Err(Fail::io(format!(
+                            "{}: bytes {}..{}: the body stays short ({} of {want} bytes)",
+                            self.location,
+                            self.range.start,
+                            self.range.end,
+                            b.len()
+                        )));
+                    }
+                }
+                Err(Fail::Changed) => return Err(Fail::Changed),
+                Err(Fail::Io(why)) if attempt >= 3 => return Err(Fail::Io(why)),
+                Err(Fail::Io(why)) => {
+                    log::warn!("{why}; asking again");
+                }
+            }
+            drop(_permit);
+            tokio::time::sleep(Duration::from_millis(100 << attempt.min(5))).await;
+        }
+    }
+
+    async fn get_once(&self) -> std::result::Result<Bytes, Fail> {
+        let opts = GetOptions {
+            if_match: self.e_tag.clone(),
+            version: self.version.clone(),
+            range: Some(GetRange::Bounded(self.range.clone())),
+            ..Default::default()
+        };
+        let r = match self.store.get_opts(&self.location, opts).await {
+            Ok(r) => r,
+            Err(object_store::Error::Precondition { .. })
+            | Err(object_store::Error::NotFound { .. }) => return Err(Fail::Changed),
+            Err(e) => return Err(Fail::io(format!("{}: {e}", self.location))),
+        };
+        // A server that ignores If-Match still says which version it sent; one without ETags
+        // says when it was last modified.
+        let other_version = match (&self.e_tag, &r.meta.e_tag) {
+            (Some(mine), Some(theirs)) => mine != theirs,
+            // HTTP dates have whole seconds; a listing may have had more.
+            (None, _) => whole_seconds(r.meta.last_modified.into()) != whole_seconds(self.modified),
+            (Some(_), None) => false,
+        };
+        if r.meta.size != self.size || other_version {
+            return Err(Fail::Changed);
+        }
+        if r.range != self.range {
+            return Err(Fail::io(format!(
+                "{}: asked for bytes {}..{}, the server sent {}..{}",
+                self.location, self.range.start, self.range.end, r.range.start, r.range.end
+            )));
+        }
+        r.bytes()
+            .await
+            .map_err(|e| Fail::io(format!("{}: {e}", self.location)))
+    }
+}
+
+fn whole_seconds(t: SystemTime) -> u64 {
+    t.duration_since(SystemTime::UNIX_EPOCH)
+        .map_or(0, |d| d.as_secs())
+}
+
+/// Recent sequential readers of one object: where each will read next and how wide its
+/// prefetch window has grown.
+#[derive(Default)]
+struct Streams {
+    /// (next offset, window in parts), most recent last.
+    recent: Vec<(u64, u64)>,
+}
+
+/// The number of sequential readers of one object followed at once (ranks, engines' loader
+/// threads).
+const STREAMS: usize = 8;
+
+impl Streams {
+    /// Note a read of `range`; how many parts past its end to fetch ahead.
+    fn note(&mut self, range: Range<u64>, part: u64, max_window: u64) -> u64 {
+        // A read continuing a stream: near where the last one ended (readers may be a
+        // little out of order).
+        let near = |next: u64| range.start <= next + part && next <= range.start + part;
+        let window = match self.recent.iter().position(|&(next, _)| near(next)) {
+            Some(i) => {
+                let (_, w) = self.recent.remove(i);
+                (w * 2).clamp(1, max_window)
+            }
+            None => 0,
+        };
+        self.recent.push((range.end, window.max(1)));
+        if self.recent.len() > STREAMS {
+            self.recent.remove(0);
+        }
+        window
+    }
+}
+
+/// One object of a remote source at the version it had when mounted.
+pub struct RemoteObject {
+    remote: Arc<Remote>,
+    id: u64,
+    /// How messages name it.
+    shown: String,
+    meta: ObjectMeta,
+    changed: AtomicBool,
+    streams: Mutex<Streams>,
+}
+
+impl RemoteObject {
+    fn part_range(&self, idx: u64) -> Range<u64> {
+        let p = self.remote.tuning.part_size;
+        let start = idx * p;
+        start..(start + p).min(self.meta.size)
+    }
+
+    /// What the node cache files this version under: the store, the object and its version.
+    fn cache_key(&self, store: &str) -> String {
+        format!(
+            "{store}\n{}\n{}\n{}\n{}",
+            self.meta.location,
+            self.meta.size,
+            self.meta.e_tag.as_deref().unwrap_or(""),
+            self.meta.version.as_deref().unwrap_or(""),
+        )
+    }
+
+    pub fn modified(&self) -> SystemTime {
+        self.meta.last_modified.into()
+    }
+
+    fn fail(&self, f: &Fail, range: &Range<u64>) -> ReadError {
+        if matches!(f, Fail::Changed) {
+            if !self.changed.swap(true, Ordering::Relaxed) {
+                log::error!(
+                    "{}: the object changed on {} after it was mounted; its reads fail from now on",
+                    self.shown,
+                    self.remote.name()
+                );
+            }
+        } else {
+            log::error!(
+                "{}: bytes {}..{}: {}",
+                self.shown,
+                range.start,
+                range.end,
+                f.to_read_error()
+            );
+        }
+        f.to_read_error()
+    }
+}
+
+impl Object for RemoteObject {
+    fn len(&self) -> u64 {
+        self.meta.size
+    }
+
+    fn read_exact_at(&self, buf: &mut [u8], off: u64) -> std::result::Result<(), ReadError> {
+        self.check_unchanged()?;
+        let end = off
+            .checked_add(buf.len() as u64)
+            .filter(|&e| e <= self.meta.size)
+            .ok_or_else(|| {
+                ReadError::Io(std::io::Error::new(
+                    std::io::ErrorKind::UnexpectedEof,
+                    format!(
+                        "{}: bytes {off}..+{} are past its end ({})",
+                        self.shown,
+                        buf.len(),
+                        self.meta.size
+                    ),
+                ))
+            })?;
+        if buf.is_empty() {
+            return Ok(());
+        }
+        let t = &self.remote.tuning;
+        let p = t.part_size;
+        let first = off / p;
+        let last = (end - 1) / p;
+        let ahead = self.streams.lock().note(off..end, p, t.max_window);
+        let parts_total = self.meta.size.div_ceil(p);
+        // Ask for the parts this read needs in order, a bounded number ahead of the one waited
+        // for (so a huge read does not hold all its parts at once), then the window past it.
+        let live = self
+            .remote
+            .live()
+            .map_err(|e| ReadError::Io(std::io::Error::other(format!("{}: {e}", self.shown))))?;
+        let lookahead = (t.in_flight as u64).max(1);
+        let mut pending = std::collections::VecDeque::new();
+        let mut next = first;
+        let mut window_started = false;
+        loop {
+            while next <= last && (pending.len() as u64) < lookahead {
+                let fut = self.remote.part(&live, self, next, false);
+                pending.push_back((
+                    next,
+                    fut.expect("a part a reader waits for is always fetched"),
+                ));
+                next += 1;
+            }
+            if next > last && !window_started {
+                window_started = true;
+                for i in last + 1..(last + 1 + ahead).min(parts_total) {
+                    if self.remote.part(&live, self, i, true).is_none() {
+                        break;
+                    }
+                }
+            }
+            let Some((idx, fut)) = pending.pop_front() else {
+                break;
+            };
+            let range = self.part_range(idx);
+            let bytes = live
+                .runtime
+                .block_on(fut)
+                .map_err(|f| self.fail(&f, &range))?;
+            let lo = off.max(range.start);
+            let hi = end.min(range.end);
+            buf[(lo - off) as usize..(hi - off) as usize]
+                .copy_from_slice(&bytes[(lo - range.start) as usize..(hi - range.start) as usize]);
+        }
+        Ok(())
+    }
+
+    fn check_unchanged(&self) -> std::result::Result<(), ReadError> {
+        if self.changed.load(Ordering::Relaxed) {
+            return Err(ReadError::Changed);
+        }
+        Ok(())
+    }
+
+    fn local_file(&self) -> std::result::Result<Option<&std::fs::File>, ReadError> {
+        Ok(None)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use object_store::memory::InMemory;
+    use object_store::ObjectStoreExt;
+
+    fn settings(part: u64) -> RemoteSettings {
+        RemoteSettings {
+            tuning: Tuning {
+                part_size: part,
+                in_flight: 4,
+                memory: 8 * part,
+                max_window: 4,
+                timeout: Duration::from_secs(5),
+            },
+            ..Default::default()
+        }
+    }
+
+    /// A source over an in-memory store holding `bytes` at `obj`, and that object.
+    fn one_object(bytes: &[u8], part: u64) -> (Arc<InMemory>, Arc<Remote>, RemoteObject) {
+        let mem = Arc::new(InMemory::new());
+        let store = mem.clone();
+        let connect: Connect = Box::new(move || Ok(store.clone() as Arc<dyn ObjectStore>));
+        let remote = Remote::new(connect, "mem://".into(), &settings(part)).unwrap();
+        let path = StorePath::from("obj");
+        let meta = remote
+            .call("put", |s| {
+                let bytes = bytes.to_vec();
+                async move {
+                    s.put(&path, bytes.into()).await?;
+                    s.head(&path).await
+                }
+            })
+            .unwrap()
+            .unwrap();
+        let obj = remote.object(meta, "mem://obj".into());
+        (mem, remote, obj)
+    }
+
+    #[test]
+    fn any_range_reads_exactly_across_parts() {
+        let bytes: Vec<u8> = (0..10_000u32).map(|i| (i * 7 + i / 251) as u8).collect();
+        let (_, _, obj) = one_object(&bytes, 1000);
+        for (off, len) in [
+            (0, 1),
+            (0, 10_000),
+            (999, 2),
+            (1000, 1000),
+            (4321, 3333),
+            (9999, 1),
+        ] {
+            let mut buf = vec![0u8; len];
+            obj.read_exact_at(&mut buf, off as u64).unwrap();
+            assert_eq!(buf, bytes[off..off + len], "{off}+{len}");
+        }
+        // Sequential reads grow a window and still read exactly.
+        let mut out = Vec::new();
+        for off in (0..10_000).step_by(700) {
+            let len = 700.min(10_000 - off);
+            let mut buf = vec![0u8; len];
+            obj.read_exact_at(&mut buf, off as u64).unwrap();
+            out.extend_from_slice(&buf);
+        }
+        assert_eq!(out, bytes);
+        let mut past = vec![0u8; 2];
+        assert!(obj.read_exact_at(&mut past, 9_999).is_err());
+    }
+
+    #[test]
+    fn a_replaced_object_is_never_served() {
+        let bytes = vec![1u8; 4000];
+        let (mem, remote, obj) = one_object(&bytes, 1000);
+        let mut buf = vec![0u8; 10];
+        obj.read_exact_at(&mut buf, 0).unwrap();
+        remote
+            .call("replace", |_| {
+                let mem = mem.clone();
+                async move {
+                    mem.put(&StorePath::from("obj"), vec![2u8; 4000].into())
+                        .await
+                }
+            })
+            .unwrap()
+            .unwrap();
+        assert!(matches!(
+            obj.read_exact_at(&mut buf, 3000),
+            Err(ReadError::Changed)
+        ));
+        // Sticky: parts had before fail too.
+        assert!(matches!(
+            obj.read_exact_at(&mut buf, 0),
+            Err(ReadError::Changed)
+        ));
+        assert!(matches!(obj.check_unchanged(), Err(ReadError::Changed)));
+    }
+
+    #[test]
+    fn a_fork_quiesce_keeps_parts_and_restarts_the_runtime() {
+        let bytes: Vec<u8> = (0..3000u32).map(|i| i as u8).collect();
+        let (_, remote, obj) = one_object(&bytes, 1000);
+        let mut buf = vec![0u8; 3000];
+        obj.read_exact_at(&mut buf, 0).unwrap();
+        quiesce_for_fork();
+        assert!(remote.live.lock().is_none());
+        obj.read_exact_at(&mut buf, 0).unwrap();
+        assert_eq!(buf, bytes);
+    }
+
+    #[test]
+    fn listing_is_depth_first_and_sorted_with_implied_folders() {
+        let t = SystemTime::UNIX_EPOCH;
+        let keys = ["b/x", "a.json", "b/c/y", "b0", "bad//key", "dir/", "./z"];
+        let got: Vec<String> = listing(keys.iter().map(|k| (*k, 1, t)))
+            .iter()
+            .map(|e| {
+                format!(
+                    "{}{}",
+                    e.path.display(),
+                    if e.attr.kind == Kind::Dir { "/" } else { "" }
+                )
+            })
+            .collect();
+        assert_eq!(got, ["/", "a.json", "b/", "b/c/", "b/c/y", "b/x", "b0"]);
+    }
+
+    #[test]
+    fn windows_grow_only_for_sequential_readers() {
+        let mut s = Streams::default();
+        let p = 8;
+        assert_eq!(s.note(0..8, p, 16), 0);
+        assert_eq!(s.note(8..16, p, 16), 2);
+        assert_eq!(s.note(16..24, p, 16), 4);
+        // Another reader elsewhere starts its own stream.
+        assert_eq!(s.note(1000..1008, p, 16), 0);
+        assert_eq!(s.note(24..32, p, 16), 8);
+        assert_eq!(s.note(32..40, p, 16), 16);
+        assert_eq!(s.note(40..48, p, 16), 16);
+        assert_eq!(s.note(1008..1016, p, 16), 2);
+    }
+}
