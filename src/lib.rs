@@ -1,5 +1,6 @@
 pub mod blob;
 pub mod error;
+pub mod fill;
 pub mod kernel_mount;
 pub mod key;
 pub mod lock;

@@ -59,7 +59,7 @@ impl MemoryFs {
 
     /// A nameless file of `len` bytes with its memory allocated: the kernel refuses here,
     /// not at a later page fault, when the budget cannot hold it.
-    fn allocate(&self, len: u64) -> io::Result<File> {
+    pub fn allocate(&self, len: u64) -> io::Result<File> {
         let fd = rustix::fs::openat(
             &self.root,
             ".",
@@ -88,14 +88,21 @@ impl MemoryFs {
             let _ = map.advise(memmap2::Advice::DontDump);
             fill(&mut map)?;
         }
-        rustix::fs::fchmod(&file, Mode::from_raw_mode(0o400)).map_err(io::Error::from)?;
-        let read_only = reopen_read_only(&file)?;
-        drop(file);
-        Ok(MemoryFile {
-            file: read_only,
-            len,
-        })
+        seal(file).map_err(E::from)
     }
+}
+
+/// Hand back a read-only descriptor of a filled file: the writable one is closed, and the
+/// file's mode no longer lets anyone open it for writing.
+pub fn seal(file: File) -> io::Result<MemoryFile> {
+    let len = file.metadata()?.len();
+    rustix::fs::fchmod(&file, Mode::from_raw_mode(0o400)).map_err(io::Error::from)?;
+    let read_only = reopen_read_only(&file)?;
+    drop(file);
+    Ok(MemoryFile {
+        file: read_only,
+        len,
+    })
 }
 
 /// Open the same inode again, read-only, through the process's descriptor link (the file
