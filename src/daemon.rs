@@ -11,9 +11,14 @@ use std::time::Duration;
 use fuser::{Config, MountOption, SessionACL};
 
 use crate::cli::{fail, Args, Prepared};
-use crate::fuse::KllmFs;
+use crate::fuse::{Copies, KllmFs};
 use crate::kernel_mount::Unmounter;
-use crate::passthrough::ServeMode;
+use crate::passthrough::{OpenPolicy, ServeMode};
+
+/// How long an open waits for a decoded copy still filling before it is served through
+/// FUSE from the part decoded so far: a copy nearly done is worth the wait (passthrough
+/// reads at memory speed), and the first byte of any open stays within tens of ms.
+const OPEN_WAIT: Duration = Duration::from_millis(10);
 use crate::status::StatusServer;
 use crate::view::View;
 use crate::{Error, Result};
@@ -110,7 +115,12 @@ fn start_session(
         signal_hook::iterator::Signals::new([libc::SIGTERM, libc::SIGINT, libc::SIGHUP])
             .map_err(|e| Error::new(format!("cannot handle signals ({e})")))?;
     let cfg = fuse_config(args.sealed(), &args.options, args.threads)?;
-    let fs = KllmFs::new(view, mode, args.cache_size).on_destroy(Box::new(|| {
+    let copies = Copies {
+        grace: args.keep_decoded,
+        decode_ahead: !args.no_decode_ahead,
+        policy: OpenPolicy { wait: OPEN_WAIT },
+    };
+    let fs = KllmFs::new(view, mode, copies).on_destroy(Box::new(|| {
         log::info!("session ended; exiting");
         std::process::exit(0)
     }));

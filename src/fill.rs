@@ -25,7 +25,8 @@ use std::time::{Duration, Instant};
 
 use parking_lot::{Condvar, Mutex};
 
-use crate::memfs::MemoryFile;
+use crate::memfs::{MemoryFile, MemoryFs, Reservation};
+use crate::view::{Ino, View};
 use crate::ReadError;
 
 /// Bytes decoded as one step: large enough to spread over all cores, small enough that a
@@ -45,6 +46,18 @@ pub type CheckFn = dyn Fn() -> Result<(), ReadError> + Send + Sync;
 pub type PrefetchFn = dyn Fn(u64, u64) + Send + Sync;
 /// Turns the filled, writable file into the read-only file handed to the kernel.
 pub type SealFn = dyn FnOnce(File) -> io::Result<MemoryFile> + Send;
+
+/// Where a fill's bytes go: a writable file, allocated chunk by chunk in file order (the
+/// page size follows the step), and what turns it into the file the kernel gets.
+pub struct Target {
+    pub file: File,
+    pub len: u64,
+    /// Allocation step (see `memfs::allocate_range`); 0 when the file is allocated already.
+    pub step: u64,
+    pub seal: Box<SealFn>,
+    /// The budget claimed for the file, given back when the fill is dropped.
+    pub reservation: Option<crate::memfs::Reservation>,
+}
 
 /// Where a fill's bytes come from.
 pub struct Source {
@@ -98,6 +111,8 @@ struct State {
 
 struct Inner {
     len: u64,
+    step: u64,
+    _reservation: Option<crate::memfs::Reservation>,
     /// The writable shared mapping of the file being filled; read-only once complete.
     map: Option<memmap2::MmapRaw>,
     file: Mutex<Option<File>>,
@@ -116,16 +131,21 @@ pub struct Fill {
 }
 
 impl Fill {
-    /// Start decoding `source` into `file`, which holds `len` allocated bytes. `label` names
-    /// the file in log lines.
+    /// Start decoding `source` into `target` in the background. `label` names the file in
+    /// log lines.
     pub fn start(
-        file: File,
-        len: u64,
+        target: Target,
         source: Source,
-        seal: Box<SealFn>,
         priority: Priority,
         label: String,
     ) -> io::Result<Fill> {
+        let Target {
+            file,
+            len,
+            step,
+            seal,
+            reservation,
+        } = target;
         let map = if len > 0 {
             // The file is private to this daemon (nameless, just made, mode 0600) and holds
             // `len` bytes; chunks are written only by the dispatcher while Busy and read
@@ -142,6 +162,8 @@ impl Fill {
         let n = len.div_ceil(CHUNK) as usize;
         let inner = Arc::new(Inner {
             len,
+            step,
+            _reservation: reservation,
             map,
             file: Mutex::new(Some(file)),
             seal: Mutex::new(Some(seal)),
@@ -185,6 +207,46 @@ impl Fill {
         Ok(Fill { inner })
     }
 
+    /// Decode file `ino` of the view into a new file of `memory`, whose budget
+    /// `reservation` claims. Reads are checked against the manifest the view holds for
+    /// the file, and the sealed bytes are read ahead of the decoder.
+    pub fn of_view(
+        view: &Arc<View>,
+        ino: Ino,
+        memory: &MemoryFs,
+        reservation: Reservation,
+        priority: Priority,
+    ) -> io::Result<Fill> {
+        let node = view
+            .node(ino)
+            .ok_or_else(|| io::Error::from(io::ErrorKind::NotFound))?;
+        let (v, c, p) = (view.clone(), view.clone(), view.clone());
+        let decode = move |off: u64, buf: &mut [u8]| match v.read_unchecked(ino, off, buf)? {
+            n if n == buf.len() => Ok(()),
+            n => Err(ReadError::Io(io::Error::new(
+                io::ErrorKind::UnexpectedEof,
+                format!("{n} of {} bytes at {off}", buf.len()),
+            ))),
+        };
+        let check: Option<Box<CheckFn>> = match node.integrity {
+            Some(_) => Some(Box::new(move || c.verify(ino))),
+            None => None,
+        };
+        let source = Source {
+            decode: Box::new(decode),
+            check,
+            prefetch: Some(Box::new(move |off, len| p.will_read(ino, off, len))),
+        };
+        let target = Target {
+            file: memory.create()?,
+            len: node.attr.size,
+            step: memory.pages().step(),
+            seal: Box::new(crate::memfs::seal),
+            reservation: Some(reservation),
+        };
+        Fill::start(target, source, priority, view.path_of(ino))
+    }
+
     pub fn len(&self) -> u64 {
         self.inner.len
     }
@@ -216,6 +278,14 @@ impl Fill {
             }
         }
         s.complete.clone()
+    }
+
+    /// Wait until the fill ends (complete or broken) or is dropped, at its own priority.
+    pub fn wait_done(&self) {
+        let mut s = self.inner.state.lock();
+        while s.progress == Progress::Filling && !s.cancelled {
+            self.inner.changed.wait(&mut s);
+        }
     }
 
     /// Raise the fill to demand priority (an open is coming for it).
@@ -315,6 +385,9 @@ impl Inner {
     /// Decode every chunk, wanted ones first, else in order from the cursor.
     fn dispatch(self: &Arc<Self>) {
         let mut failures = 0usize;
+        // Memory is allocated in file order up to the chunk decoded, so that the page size
+        // stays the step's even when a reader moves the decoder ahead.
+        let mut allocated = if self.step == 0 { self.len } else { 0 };
         loop {
             let (i, priority) = {
                 let mut s = self.state.lock();
@@ -335,12 +408,18 @@ impl Inner {
                 std::slice::from_raw_parts_mut(map.as_mut_ptr().add(a as usize), (b - a) as usize)
             };
             let mut decode = move || (self.source.decode)(a, buf);
-            let result = match priority {
-                Priority::Demand => decode(),
-                Priority::Ahead => match ahead_pool() {
-                    Some(pool) => pool.install(decode),
-                    None => decode(),
-                },
+            let result = match self.allocate(allocated, b) {
+                Err(e) => Err(ReadError::Io(e)),
+                Ok(()) => {
+                    allocated = allocated.max(b);
+                    match priority {
+                        Priority::Demand => decode(),
+                        Priority::Ahead => match ahead_pool() {
+                            Some(pool) => pool.install(decode),
+                            None => decode(),
+                        },
+                    }
+                }
             };
             let mut s = self.state.lock();
             s.left -= 1;
@@ -386,6 +465,16 @@ impl Inner {
             }
         }
         self.changed.notify_all();
+    }
+
+    fn allocate(&self, from: u64, to: u64) -> io::Result<()> {
+        if from >= to {
+            return Ok(());
+        }
+        match self.file.lock().as_ref() {
+            Some(f) => crate::memfs::allocate_range(f, from, to, self.step),
+            None => Err(io::Error::other("the file is sealed")),
+        }
     }
 
     /// Close the writable descriptor, leave the mapping read-only, and make the file the
@@ -494,15 +583,15 @@ mod tests {
         Ok(())
     }
 
-    /// A writable scratch file of `len` bytes standing in for private memory.
-    fn scratch(len: u64) -> File {
-        let f = tempfile::tempfile().unwrap();
-        f.set_len(len).unwrap();
-        f
-    }
-
-    fn seal_plain() -> Box<SealFn> {
-        Box::new(crate::memfs::seal)
+    /// A writable scratch file standing in for private memory, allocated as it fills.
+    fn scratch(len: u64) -> Target {
+        Target {
+            file: tempfile::tempfile().unwrap(),
+            len,
+            step: 1 << 20,
+            seal: Box::new(crate::memfs::seal),
+            reservation: None,
+        }
     }
 
     fn source(
@@ -516,7 +605,7 @@ mod tests {
     }
 
     fn start(len: u64, src: Source, p: Priority) -> Fill {
-        Fill::start(scratch(len), len, src, seal_plain(), p, "test".into()).unwrap()
+        Fill::start(scratch(len), src, p, "test".into()).unwrap()
     }
 
     fn expect(off: u64, got: &[u8]) {

@@ -10,12 +10,14 @@ use fuser::{
     ReplyDirectory, ReplyEmpty, ReplyEntry, ReplyOpen, ReplyStatfs, ReplyXattr, Request,
 };
 
+use crate::fill::Priority;
 use crate::memfs::MemoryFile;
-use crate::passthrough::{Backing, OpenTable, Opened, Requested, ServeMode};
+use crate::passthrough::{
+    start_copy, Backing, OpenPolicy, OpenTable, Opened, Requested, ServeMode,
+};
 use crate::secmem::SecureBuf;
 use crate::status::Stats;
 use crate::view::{Content, Ino, Kind, Node, View};
-use crate::ReadError;
 
 /// The view never changes while mounted, so the kernel may cache everything for long.
 const TTL: Duration = Duration::from_secs(3600);
@@ -40,17 +42,28 @@ pub type OnDestroy = Box<dyn FnMut() + Send + Sync>;
 pub struct KllmFs {
     view: Arc<View>,
     mode: Arc<ServeMode>,
-    opens: OpenTable<BackingId>,
+    opens: Arc<OpenTable<BackingId>>,
+    copies: Copies,
     on_destroy: Option<OnDestroy>,
 }
 
+/// How decoded copies are made and kept in passthrough mode.
+#[derive(Debug, Clone)]
+pub struct Copies {
+    /// How long a decoded copy outlives the last close of its file.
+    pub grace: Duration,
+    /// Decode the shards an engine will read right after mounting (src/ahead.rs).
+    pub decode_ahead: bool,
+    pub policy: OpenPolicy,
+}
+
 impl KllmFs {
-    /// `keep_budget`: bytes of decoded shards kept after their last close, for a reopen.
-    pub fn new(view: Arc<View>, mode: Arc<ServeMode>, keep_budget: u64) -> KllmFs {
+    pub fn new(view: Arc<View>, mode: Arc<ServeMode>, copies: Copies) -> KllmFs {
         KllmFs {
             view,
             mode,
-            opens: OpenTable::new(keep_budget),
+            opens: Arc::new(OpenTable::new(copies.grace)),
+            copies,
             on_destroy: None,
         }
     }
@@ -63,39 +76,15 @@ impl KllmFs {
         self
     }
 
-    /// A backing file for a passthrough open of `node`, or `None` to serve it through
-    /// FUSE: the decoded copy of a locked shard (`kept` if an earlier open left one), or
-    /// the sealed file itself for a file shown verbatim.
+    /// Hand `file` to the kernel as a backing file, or `None` to serve through FUSE.
     fn backing(
         &self,
         ino: Ino,
-        node: &Node,
-        kept: Option<Arc<MemoryFile>>,
+        file: &std::fs::File,
+        memory: Option<Arc<MemoryFile>>,
         reply: &ReplyOpen,
     ) -> Option<Backing<BackingId>> {
-        // Under a manifest a verbatim file is copied into memory as it is checked, so a
-        // later rewrite of the sealed file cannot reach the kernel unchecked.
-        let copy = match &node.content {
-            Content::Shard { .. } => true,
-            Content::Verbatim { .. } => node.integrity.is_some(),
-            Content::Memory(_) | Content::Dir(_) => return None,
-        };
-        let memory = match (copy, kept) {
-            (false, _) => None,
-            (true, Some(m)) => Some(m),
-            (true, None) => Some(self.decode(ino, node)?),
-        };
-        let opened = match &memory {
-            Some(m) => reply.open_backing(m.file()),
-            None => match self.view.verbatim_file(node) {
-                Ok(f) => reply.open_backing(f.as_ref()),
-                Err(e) => {
-                    log::error!("{}: {e}", self.view.path_of(ino));
-                    return None;
-                }
-            },
-        };
-        match opened {
+        match reply.open_backing(file) {
             Ok(id) => Some(Backing {
                 id: Arc::new(id),
                 memory,
@@ -116,36 +105,66 @@ impl KllmFs {
         }
     }
 
-    /// Decode a whole locked shard into private memory, on all cores, checking it against
-    /// the manifest at the same time. When the budget is full, shards kept after their
-    /// last close make room; failing that, the open is served through FUSE.
-    fn decode(&self, ino: Ino, node: &Node) -> Option<Arc<MemoryFile>> {
-        let memory = self.mode.passthrough()?;
-        let fill = |buf: &mut [u8]| self.view.read_whole(ino, buf);
-        let started = std::time::Instant::now();
-        let mut result = memory.fill(node.attr.size, fill);
-        if result.as_ref().is_err_and(is_full) && self.opens.drop_kept() > 0 {
-            result = memory.fill(node.attr.size, fill);
+    /// Open `node` in passthrough mode where the kernel allows it. A locked shard (and,
+    /// under a manifest, a verbatim file, so a later rewrite of the sealed file cannot
+    /// reach the kernel unchecked) is served from its decoded copy in private memory; any
+    /// other verbatim file is backed by the sealed file itself; bytes held in memory are
+    /// served through FUSE.
+    fn open_passthrough(
+        &self,
+        ino: Ino,
+        node: &Node,
+        memory: &crate::memfs::MemoryFs,
+        reply: &ReplyOpen,
+    ) -> Opened<BackingId> {
+        let copy = match &node.content {
+            Content::Shard { .. } => true,
+            Content::Verbatim { .. } => node.integrity.is_some(),
+            Content::Memory(_) | Content::Dir(_) => {
+                return Opened::Fuse {
+                    fh: self.opens.open_fuse(ino),
+                    fill: None,
+                }
+            }
+        };
+        if !copy {
+            return self
+                .opens
+                .open_direct(ino, || match self.view.verbatim_file(node) {
+                    Ok(f) => self.backing(ino, f, None, reply),
+                    Err(e) => {
+                        log::error!("{}: {e}", self.view.path_of(ino));
+                        None
+                    }
+                });
         }
-        match result {
-            Ok(m) => {
-                log::debug!(
-                    "{}: decoded {} bytes in {:?}",
-                    self.view.path_of(ino),
-                    m.len(),
-                    started.elapsed()
-                );
-                Some(Arc::new(m))
+        let start = || start_copy(&self.view, memory, &self.opens, ino, Priority::Demand, true);
+        let make = |m: &Arc<MemoryFile>| self.backing(ino, m.file(), Some(m.clone()), reply);
+        self.opens.open_copy(ino, &self.copies.policy, start, make)
+    }
+
+    /// Let go of decoded copies whose grace period after their last close has ended.
+    fn start_keeper(&self) {
+        let opens = Arc::downgrade(&self.opens);
+        let tick = self
+            .copies
+            .grace
+            .clamp(Duration::from_millis(100), Duration::from_secs(1));
+        let keeper = move || {
+            while let Some(opens) = opens.upgrade() {
+                let freed = opens.expire(std::time::Instant::now());
+                if freed > 0 {
+                    log::debug!("let go of {freed} bytes of decoded copies closed a while ago");
+                }
+                drop(opens);
+                std::thread::sleep(tick);
             }
-            Err(e) => {
-                let why = if is_full(&e) {
-                    "the passthrough memory budget is full".to_string()
-                } else {
-                    format!("not decoded whole ({e})")
-                };
-                log::warn!("{}: {why}; served through FUSE", self.view.path_of(ino));
-                None
-            }
+        };
+        if let Err(e) = std::thread::Builder::new()
+            .name("kllm-keeper".into())
+            .spawn(keeper)
+        {
+            log::warn!("decoded copies are kept until memory is needed: no keeper thread ({e})");
         }
     }
 
@@ -207,6 +226,12 @@ impl Filesystem for KllmFs {
             }
         }
         self.mode.log();
+        if self.mode.passthrough().is_some() {
+            self.start_keeper();
+            if self.copies.decode_ahead {
+                crate::ahead::start(self.view.clone(), self.mode.clone(), self.opens.clone());
+            }
+        }
         Ok(())
     }
 
@@ -245,15 +270,14 @@ impl Filesystem for KllmFs {
             return reply.error(Errno::EROFS);
         }
         let opened = match self.mode.passthrough() {
-            Some(_) => self
-                .opens
-                .open(ino.0, |kept| self.backing(ino.0, node, kept, &reply)),
+            Some(memory) => self.open_passthrough(ino.0, node, memory, &reply),
             None => Opened::Fuse {
                 fh: self.opens.open_fuse(ino.0),
+                fill: None,
             },
         };
         let stats = self.view.stats();
-        if let Opened::Fuse { fh } = opened {
+        if let Opened::Fuse { fh, .. } = opened {
             // A file under a manifest is hashed before its first byte is served (a
             // passthrough open checked it while decoding).
             if let Err(e) = self.view.verify(ino.0) {
@@ -269,7 +293,7 @@ impl Filesystem for KllmFs {
                 reply.opened_passthrough(FileHandle(fh), FopenFlags::empty(), &id)
             }
             // The view is immutable: pages the kernel cached stay valid across opens.
-            Opened::Fuse { fh } => reply.opened(FileHandle(fh), FopenFlags::FOPEN_KEEP_CACHE),
+            Opened::Fuse { fh, .. } => reply.opened(FileHandle(fh), FopenFlags::FOPEN_KEEP_CACHE),
         }
     }
 
@@ -293,7 +317,7 @@ impl Filesystem for KllmFs {
         &self,
         _req: &Request,
         ino: INodeNo,
-        _fh: FileHandle,
+        fh: FileHandle,
         offset: u64,
         size: u32,
         _flags: OpenFlags,
@@ -312,7 +336,12 @@ impl Filesystem for KllmFs {
                 }
             }
             let out = &mut buf.as_mut().expect("just made")[..size];
-            match self.view.read_into(ino.0, offset, out) {
+            // A file with a decoded copy (filling or complete) is read from it.
+            let read = match self.opens.fill_of(fh.0) {
+                Some(fill) => fill.read(offset, out),
+                None => self.view.read_into(ino.0, offset, out),
+            };
+            match read {
                 Ok(n) => {
                     Stats::add(&self.view.stats().bytes_served, n as u64);
                     reply.data(&out[..n])
@@ -418,9 +447,4 @@ impl Filesystem for KllmFs {
             reply.data(&[]);
         }
     }
-}
-
-/// The kernel refused memory past the private tmpfs's size: the budget is full.
-fn is_full(e: &ReadError) -> bool {
-    matches!(e, ReadError::Io(e) if e.raw_os_error() == Some(libc::ENOSPC))
 }

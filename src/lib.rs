@@ -1,3 +1,4 @@
+pub mod ahead;
 pub mod blob;
 pub mod error;
 pub mod fill;

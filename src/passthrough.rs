@@ -11,14 +11,16 @@
 //! of each inode to answer every open in the mode the kernel accepts. It is generic over
 //! the kernel's backing handle so it can be tested without a kernel.
 
-use std::collections::{HashMap, VecDeque};
+use std::collections::HashMap;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::Arc;
+use std::time::{Duration, Instant};
 
 use parking_lot::Mutex;
 
+use crate::fill::{Fill, Priority};
 use crate::memfs::{MemoryFile, MemoryFs};
-use crate::view::Ino;
+use crate::view::{Ino, View};
 use crate::{Error, Result};
 
 /// The serving mode asked for on the command line.
@@ -133,70 +135,131 @@ pub struct Backing<B> {
     pub memory: Option<Arc<MemoryFile>>,
 }
 
-/// What an open got.
+/// What an open got. A FUSE open of a file with a decoded copy (filling or complete) reads
+/// from it.
 pub enum Opened<B> {
     Passthrough { fh: u64, id: Arc<B> },
-    Fuse { fh: u64 },
+    Fuse { fh: u64, fill: Option<Arc<Fill>> },
 }
 
-#[derive(Default)]
+impl<B> Opened<B> {
+    pub fn fh(&self) -> u64 {
+        match self {
+            Opened::Passthrough { fh, .. } | Opened::Fuse { fh, .. } => *fh,
+        }
+    }
+}
+
+/// How an open of a file that is served from a decoded copy goes.
+#[derive(Debug, Clone)]
+pub struct OpenPolicy {
+    /// How long an open waits for a copy still filling before it is served through FUSE
+    /// from the part already decoded.
+    pub wait: Duration,
+}
+
 struct InodeOpens<B> {
     passthrough: u32,
     fuse: u32,
     backing: Option<Backing<B>>,
+    /// The file's decoded copy, filling or complete. It outlives the last close by the
+    /// table's grace period, so the next open of a normal load finds it.
+    fill: Option<Arc<Fill>>,
+    /// When the last handle closed; `None` while open or never opened.
+    idle_since: Option<Instant>,
+    /// Decoded ahead and not opened yet: its place in the decode-ahead order.
+    ahead: Option<usize>,
+    /// Opened at least once: decoding ahead is for files not read yet.
+    opened: bool,
 }
 
-/// The open handles of every inode, and decoded shards kept after their last close.
+impl<B> InodeOpens<B> {
+    fn is_open(&self) -> bool {
+        self.passthrough + self.fuse > 0
+    }
+}
+
+type Inode<B> = Arc<Mutex<InodeOpens<B>>>;
+
+struct Handle {
+    ino: Ino,
+    mode: OpenMode,
+    fill: Option<Arc<Fill>>,
+}
+
+/// What a request to decode a file ahead did.
+pub enum Ahead {
+    Started(Arc<Fill>),
+    /// Opened already, or decoded already.
+    Skipped,
+    /// The budget has no room for it now.
+    NoRoom,
+}
+
+/// Start a decoded copy of file `ino` in `memory`. When the budget is full and
+/// `make_room`, copies no handle uses are let go first (see [`OpenTable::make_room`]).
+/// `None` (logged) when there is no room or no copy could be made: the file is then served
+/// through FUSE.
+pub fn start_copy<B>(
+    view: &Arc<View>,
+    memory: &MemoryFs,
+    opens: &OpenTable<B>,
+    ino: Ino,
+    priority: Priority,
+    make_room: bool,
+) -> Option<Arc<Fill>> {
+    let len = view.node(ino)?.attr.size;
+    let mut reservation = memory.reserve(len);
+    if reservation.is_none() && make_room && opens.make_room(len) > 0 {
+        // What was let go is freed as its fill threads stop (within one chunk).
+        let deadline = Instant::now() + Duration::from_secs(2);
+        while reservation.is_none() && Instant::now() < deadline {
+            std::thread::sleep(Duration::from_millis(5));
+            reservation = memory.reserve(len);
+        }
+    }
+    let Some(reservation) = reservation else {
+        if make_room {
+            log::warn!(
+                "{}: the passthrough memory budget is full; served through FUSE",
+                view.path_of(ino)
+            );
+        }
+        return None;
+    };
+    match Fill::of_view(view, ino, memory, reservation, priority) {
+        Ok(f) => Some(Arc::new(f)),
+        Err(e) => {
+            log::warn!(
+                "{}: no decoded copy ({e}); served through FUSE",
+                view.path_of(ino)
+            );
+            None
+        }
+    }
+}
+
+/// The open handles of every inode, and the decoded copies of files with none.
 pub struct OpenTable<B> {
-    inodes: Mutex<HashMap<Ino, Arc<Mutex<InodeOpens<B>>>>>,
-    handles: Mutex<HashMap<u64, (Ino, OpenMode)>>,
+    inodes: Mutex<HashMap<Ino, Inode<B>>>,
+    handles: Mutex<HashMap<u64, Handle>>,
     next_fh: AtomicU64,
-    kept: Mutex<Kept>,
-}
-
-/// Decoded shards with no open handle, newest last, held within `budget` bytes so a
-/// reopen (a second reader, a warm re-read) finds them decoded.
-struct Kept {
-    shards: VecDeque<(Ino, Arc<MemoryFile>)>,
-    budget: u64,
-}
-
-impl Kept {
-    fn bytes(&self) -> u64 {
-        self.shards.iter().map(|(_, m)| m.len()).sum()
-    }
-
-    fn take(&mut self, ino: Ino) -> Option<Arc<MemoryFile>> {
-        let i = self.shards.iter().position(|(i, _)| *i == ino)?;
-        self.shards.remove(i).map(|(_, m)| m)
-    }
-
-    fn keep(&mut self, ino: Ino, memory: Arc<MemoryFile>) {
-        if memory.len() > self.budget {
-            return;
-        }
-        self.shards.push_back((ino, memory));
-        while self.bytes() > self.budget {
-            self.shards.pop_front();
-        }
-    }
+    /// How long a decoded copy is kept after its last close.
+    grace: Duration,
 }
 
 impl<B> OpenTable<B> {
-    /// `keep_budget`: bytes of decoded shards kept after their last close.
-    pub fn new(keep_budget: u64) -> OpenTable<B> {
+    /// `grace`: how long a decoded copy is kept after the last close of its file.
+    pub fn new(grace: Duration) -> OpenTable<B> {
         OpenTable {
             inodes: Mutex::new(HashMap::new()),
             handles: Mutex::new(HashMap::new()),
             next_fh: AtomicU64::new(1),
-            kept: Mutex::new(Kept {
-                shards: VecDeque::new(),
-                budget: keep_budget,
-            }),
+            grace,
         }
     }
 
-    fn inode(&self, ino: Ino) -> Arc<Mutex<InodeOpens<B>>> {
+    fn inode(&self, ino: Ino) -> Inode<B> {
         self.inodes
             .lock()
             .entry(ino)
@@ -205,15 +268,40 @@ impl<B> OpenTable<B> {
                     passthrough: 0,
                     fuse: 0,
                     backing: None,
+                    fill: None,
+                    idle_since: None,
+                    ahead: None,
+                    opened: false,
                 }))
             })
             .clone()
     }
 
-    fn handle(&self, ino: Ino, mode: OpenMode) -> u64 {
+    fn handle(&self, ino: Ino, mode: OpenMode, fill: Option<Arc<Fill>>) -> u64 {
         let fh = self.next_fh.fetch_add(1, Ordering::Relaxed);
-        self.handles.lock().insert(fh, (ino, mode));
+        self.handles.lock().insert(fh, Handle { ino, mode, fill });
         fh
+    }
+
+    fn fuse(&self, ino: Ino, state: &mut InodeOpens<B>) -> Opened<B> {
+        state.fuse += 1;
+        state.opened = true;
+        let fill = state.fill.clone();
+        Opened::Fuse {
+            fh: self.handle(ino, OpenMode::Fuse, fill.clone()),
+            fill,
+        }
+    }
+
+    fn passthrough(&self, ino: Ino, state: &mut InodeOpens<B>, backing: Backing<B>) -> Opened<B> {
+        let id = backing.id.clone();
+        state.backing = Some(backing);
+        state.passthrough += 1;
+        state.opened = true;
+        Opened::Passthrough {
+            fh: self.handle(ino, OpenMode::Passthrough, None),
+            id,
+        }
     }
 
     /// Open `ino` through the page cache (passthrough is off, or the file is not one the
@@ -221,47 +309,110 @@ impl<B> OpenTable<B> {
     pub fn open_fuse(&self, ino: Ino) -> u64 {
         let inode = self.inode(ino);
         let mut state = inode.lock();
-        state.fuse += 1;
-        self.handle(ino, OpenMode::Fuse)
+        state.idle_since = None;
+        self.fuse(ino, &mut state).fh()
     }
 
-    /// Open `ino` in passthrough mode when the kernel allows it: through the inode's
-    /// backing if it has one, else through a new one from `make`, which gets the decoded
-    /// memory kept from an earlier open, if any. `make` runs under the inode's lock, so
-    /// concurrent first opens decode once; `None` from it opens through the page cache.
-    pub fn open(
+    /// Open a file the kernel reads from itself (a verbatim file, backed by the sealed
+    /// file): passthrough through the inode's backing or a new one from `make`, unless the
+    /// inode is open through the page cache or `make` gives none.
+    pub fn open_direct(&self, ino: Ino, make: impl FnOnce() -> Option<Backing<B>>) -> Opened<B> {
+        let inode = self.inode(ino);
+        let mut state = inode.lock();
+        state.idle_since = None;
+        if state.fuse == 0 {
+            if let Some(b) = &state.backing {
+                let backing = Backing {
+                    id: b.id.clone(),
+                    memory: b.memory.clone(),
+                };
+                return self.passthrough(ino, &mut state, backing);
+            }
+            if let Some(backing) = make() {
+                return self.passthrough(ino, &mut state, backing);
+            }
+        }
+        self.fuse(ino, &mut state)
+    }
+
+    /// Open a file served from a decoded copy. While the inode is open through the page
+    /// cache, the open joins it there; while it is open in passthrough, it shares the
+    /// backing. Otherwise the copy (kept, decoded ahead, or a new one from `start`) is
+    /// waited for up to `policy.wait`: complete, it backs a passthrough open (`make`);
+    /// still filling, the open is served through FUSE from the part already decoded, so no
+    /// open waits for a whole decode. Without a copy (no memory for one) the open is served
+    /// through FUSE, decoded per read. `start` and `make` run under the inode's lock, so
+    /// concurrent first opens share one decode.
+    pub fn open_copy(
         &self,
         ino: Ino,
-        make: impl FnOnce(Option<Arc<MemoryFile>>) -> Option<Backing<B>>,
+        policy: &OpenPolicy,
+        start: impl FnOnce() -> Option<Arc<Fill>>,
+        make: impl FnOnce(&Arc<MemoryFile>) -> Option<Backing<B>>,
     ) -> Opened<B> {
         let inode = self.inode(ino);
         let mut state = inode.lock();
-        if state.fuse == 0 {
-            if let Some(b) = &state.backing {
-                let id = b.id.clone();
-                state.passthrough += 1;
-                let fh = self.handle(ino, OpenMode::Passthrough);
-                return Opened::Passthrough { fh, id };
-            }
-            let kept = self.kept.lock().take(ino);
-            if let Some(backing) = make(kept) {
-                let id = backing.id.clone();
-                state.backing = Some(backing);
-                state.passthrough += 1;
-                let fh = self.handle(ino, OpenMode::Passthrough);
-                return Opened::Passthrough { fh, id };
-            }
+        state.idle_since = None;
+        state.ahead = None;
+        if state.fuse > 0 {
+            return self.fuse(ino, &mut state);
         }
-        state.fuse += 1;
-        Opened::Fuse {
-            fh: self.handle(ino, OpenMode::Fuse),
+        if let Some(b) = &state.backing {
+            let backing = Backing {
+                id: b.id.clone(),
+                memory: b.memory.clone(),
+            };
+            return self.passthrough(ino, &mut state, backing);
+        }
+        if state.fill.is_none() {
+            state.fill = start();
+        }
+        let Some(fill) = state.fill.clone() else {
+            return self.fuse(ino, &mut state);
+        };
+        let complete = fill.complete().or_else(|| fill.wait_complete(policy.wait));
+        match complete.and_then(|m| make(&m)) {
+            Some(backing) => self.passthrough(ino, &mut state, backing),
+            None => {
+                fill.urge();
+                self.fuse(ino, &mut state)
+            }
         }
     }
 
+    /// Start decoding `ino` ahead of any open with `start`, unless it was opened or has a
+    /// copy already. `rank` is its place in the decode-ahead order.
+    pub fn decode_ahead(
+        &self,
+        ino: Ino,
+        rank: usize,
+        start: impl FnOnce() -> Option<Arc<Fill>>,
+    ) -> Ahead {
+        let inode = self.inode(ino);
+        let mut state = inode.lock();
+        if state.opened || state.fill.is_some() {
+            return Ahead::Skipped;
+        }
+        match start() {
+            Some(fill) => {
+                state.fill = Some(fill.clone());
+                state.ahead = Some(rank);
+                Ahead::Started(fill)
+            }
+            None => Ahead::NoRoom,
+        }
+    }
+
+    /// The decoded copy a FUSE handle reads from, if any.
+    pub fn fill_of(&self, fh: u64) -> Option<Arc<Fill>> {
+        self.handles.lock().get(&fh).and_then(|h| h.fill.clone())
+    }
+
     /// The kernel released handle `fh`. After the last passthrough handle of an inode its
-    /// backing is closed, and its decoded memory is kept for a reopen or let go.
+    /// backing is closed; after the last handle of any mode its decoded copy starts its
+    /// grace period.
     pub fn release(&self, fh: u64) -> Option<(Ino, OpenMode)> {
-        let (ino, mode) = self.handles.lock().remove(&fh)?;
+        let Handle { ino, mode, .. } = self.handles.lock().remove(&fh)?;
         let inode = self.inode(ino);
         let mut state = inode.lock();
         match mode {
@@ -269,24 +420,72 @@ impl<B> OpenTable<B> {
             OpenMode::Passthrough => {
                 state.passthrough = state.passthrough.saturating_sub(1);
                 if state.passthrough == 0 {
-                    if let Some(Backing {
-                        memory: Some(m), ..
-                    }) = state.backing.take()
-                    {
-                        self.kept.lock().keep(ino, m);
-                    }
+                    state.backing = None;
                 }
             }
+        }
+        if !state.is_open() {
+            state.idle_since = Some(Instant::now());
         }
         Some((ino, mode))
     }
 
-    /// Let go of every kept shard, to make room for a new one.
-    pub fn drop_kept(&self) -> u64 {
-        let mut kept = self.kept.lock();
-        let bytes = kept.bytes();
-        kept.shards.clear();
-        bytes
+    /// Let go of the decoded copies whose grace period ended by `now`; bytes let go.
+    pub fn expire(&self, now: Instant) -> u64 {
+        let ended = |s: &InodeOpens<B>| {
+            s.idle_since
+                .filter(|&t| now.saturating_duration_since(t) >= self.grace)
+                .map(|_| (0, 0))
+        };
+        self.let_go(ended, u64::MAX)
+    }
+
+    /// Let go of copies no handle uses, until `need` bytes are let go: those closed
+    /// longest ago first, then those decoded ahead and not opened yet, the last in the
+    /// decode-ahead order first. Inodes busy in another open are skipped. Bytes let go.
+    pub fn make_room(&self, need: u64) -> u64 {
+        let order = |s: &InodeOpens<B>| match (s.idle_since, s.ahead) {
+            (Some(t), _) => Some((0, u64::MAX - t.elapsed().as_millis() as u64)),
+            (None, Some(rank)) => Some((1, u64::MAX - rank as u64)),
+            (None, None) => None,
+        };
+        self.let_go(order, need)
+    }
+
+    /// Drop the copies of idle inodes that `pick` gives an order key, lowest key first,
+    /// until `need` bytes are let go.
+    fn let_go(&self, pick: impl Fn(&InodeOpens<B>) -> Option<(u8, u64)>, need: u64) -> u64 {
+        let inodes: Vec<_> = self.inodes.lock().values().cloned().collect();
+        let mut candidates: Vec<((u8, u64), Inode<B>)> = inodes
+            .into_iter()
+            .filter_map(|i| {
+                let key = {
+                    let s = i.try_lock()?;
+                    if s.is_open() || s.fill.is_none() {
+                        return None;
+                    }
+                    pick(&s)?
+                };
+                Some((key, i))
+            })
+            .collect();
+        candidates.sort_by_key(|(k, _)| *k);
+        let mut freed = 0;
+        for (_, i) in candidates {
+            if freed >= need {
+                break;
+            }
+            let Some(mut s) = i.try_lock() else { continue };
+            if s.is_open() {
+                continue;
+            }
+            if let Some(f) = s.fill.take() {
+                freed += f.len();
+                s.idle_since = None;
+                s.ahead = None;
+            }
+        }
+        freed
     }
 
     /// Handles open now, by mode.
@@ -294,14 +493,21 @@ impl<B> OpenTable<B> {
         let handles = self.handles.lock();
         let pt = handles
             .values()
-            .filter(|(_, m)| *m == OpenMode::Passthrough)
+            .filter(|h| h.mode == OpenMode::Passthrough)
             .count() as u64;
         (pt, handles.len() as u64 - pt)
     }
 
-    /// Bytes of decoded shards kept with no open handle.
+    /// Bytes of decoded copies no handle uses (kept after a close, or decoded ahead).
     pub fn kept_bytes(&self) -> u64 {
-        self.kept.lock().bytes()
+        let inodes: Vec<_> = self.inodes.lock().values().cloned().collect();
+        inodes
+            .iter()
+            .filter_map(|i| {
+                let s = i.lock();
+                (!s.is_open()).then(|| s.fill.as_ref().map_or(0, |f| f.len()))
+            })
+            .sum()
     }
 }
 
@@ -366,31 +572,29 @@ mod tests {
         }
     }
 
-    fn make(
-        live: &Arc<AtomicUsize>,
-    ) -> impl FnOnce(Option<Arc<MemoryFile>>) -> Option<Backing<Id>> {
-        let live = live.clone();
-        move |_| {
-            live.fetch_add(1, Ordering::SeqCst);
-            Some(Backing {
-                id: Arc::new(Id(live)),
-                memory: None,
-            })
+    fn new_id(live: &Arc<AtomicUsize>) -> Backing<Id> {
+        live.fetch_add(1, Ordering::SeqCst);
+        Backing {
+            id: Arc::new(Id(live.clone())),
+            memory: None,
         }
     }
 
+    fn make(live: &Arc<AtomicUsize>) -> impl FnOnce() -> Option<Backing<Id>> {
+        let live = live.clone();
+        move || Some(new_id(&live))
+    }
+
     fn fh<B>(o: &Opened<B>) -> u64 {
-        match o {
-            Opened::Passthrough { fh, .. } | Opened::Fuse { fh } => *fh,
-        }
+        o.fh()
     }
 
     #[test]
     fn opens_share_one_backing_until_the_last_release() {
-        let t = OpenTable::new(0);
+        let t = OpenTable::new(Duration::ZERO);
         let live = Arc::new(AtomicUsize::new(0));
-        let a = t.open(7, make(&live));
-        let b = t.open(7, |_| panic!("a second backing was made"));
+        let a = t.open_direct(7, make(&live));
+        let b = t.open_direct(7, || panic!("a second backing was made"));
         let (Opened::Passthrough { id: ia, .. }, Opened::Passthrough { id: ib, .. }) = (&a, &b)
         else {
             panic!("not passthrough");
@@ -413,32 +617,35 @@ mod tests {
         );
         assert_eq!(t.open_handles(), (0, 0));
         // A later open makes a new one.
-        let c = t.open(7, make(&live));
+        let c = t.open_direct(7, make(&live));
         assert!(matches!(c, Opened::Passthrough { .. }));
         assert_eq!(live.load(Ordering::SeqCst), 1);
     }
 
     #[test]
     fn an_inode_open_through_the_page_cache_stays_there() {
-        let t = OpenTable::new(0);
+        let t = OpenTable::new(Duration::ZERO);
         let live = Arc::new(AtomicUsize::new(0));
         // The first open falls back (no backing could be made).
-        let a = t.open(3, |_| None);
+        let a = t.open_direct(3, || None);
         assert!(matches!(a, Opened::Fuse { .. }));
         // While it is open, a passthrough open would be refused by the kernel.
-        let b = t.open(3, |_| panic!("passthrough asked for a cached inode"));
+        let b = t.open_direct(3, || panic!("passthrough asked for a cached inode"));
         assert!(matches!(b, Opened::Fuse { .. }));
         t.release(fh(&a));
         t.release(fh(&b));
         // Once all are closed, passthrough is possible again.
-        assert!(matches!(t.open(3, make(&live)), Opened::Passthrough { .. }));
+        assert!(matches!(
+            t.open_direct(3, make(&live)),
+            Opened::Passthrough { .. }
+        ));
         // And while that is open, even a plain FUSE-only file keeps its own inode's mode.
-        assert!(matches!(t.open(4, |_| None), Opened::Fuse { .. }));
+        assert!(matches!(t.open_direct(4, || None), Opened::Fuse { .. }));
     }
 
     #[test]
     fn handles_are_unique_and_released_once() {
-        let t: OpenTable<Id> = OpenTable::new(0);
+        let t: OpenTable<Id> = OpenTable::new(Duration::ZERO);
         let fhs: Vec<u64> = (0..100).map(|i| t.open_fuse(i % 3)).collect();
         let mut sorted = fhs.clone();
         sorted.sort();
@@ -449,5 +656,162 @@ mod tests {
         }
         assert!(t.release(fhs[0]).is_none(), "released twice");
         assert_eq!(t.open_handles(), (0, 0));
+    }
+
+    use crate::fill::{Source, Target, CHUNK};
+
+    /// A fill of `len` bytes into a scratch file, each chunk taking `per_chunk`.
+    fn fill(len: u64, per_chunk: Duration) -> Arc<Fill> {
+        let source = Source {
+            decode: Box::new(move |off, buf: &mut [u8]| {
+                std::thread::sleep(per_chunk);
+                for (i, b) in buf.iter_mut().enumerate() {
+                    *b = ((off + i as u64) % 253) as u8;
+                }
+                Ok(())
+            }),
+            check: None,
+            prefetch: None,
+        };
+        let target = Target {
+            file: tempfile::tempfile().unwrap(),
+            len,
+            step: 1 << 20,
+            seal: Box::new(crate::memfs::seal),
+            reservation: None,
+        };
+        Arc::new(Fill::start(target, source, Priority::Demand, "test".into()).unwrap())
+    }
+
+    const WAIT: OpenPolicy = OpenPolicy {
+        wait: Duration::from_millis(20),
+    };
+
+    fn backed(live: &Arc<AtomicUsize>) -> impl FnOnce(&Arc<MemoryFile>) -> Option<Backing<Id>> {
+        let live = live.clone();
+        move |m| {
+            let mut b = new_id(&live);
+            b.memory = Some(m.clone());
+            Some(b)
+        }
+    }
+
+    #[test]
+    fn a_copy_done_in_time_is_handed_to_the_kernel() {
+        let t = OpenTable::new(Duration::from_secs(60));
+        let live = Arc::new(AtomicUsize::new(0));
+        let o = t.open_copy(
+            5,
+            &WAIT,
+            || Some(fill(1 << 20, Duration::ZERO)),
+            backed(&live),
+        );
+        // A one-chunk fill finishes within the wait (or the open is served from it).
+        if let Opened::Fuse { fill, .. } = &o {
+            assert!(fill.is_some(), "a FUSE open without the copy");
+        }
+        t.release(o.fh());
+        // Once complete, every open is passthrough.
+        let f = t.open_copy(5, &WAIT, || panic!("decoded twice"), backed(&live));
+        assert!(matches!(f, Opened::Passthrough { .. }));
+    }
+
+    #[test]
+    fn an_open_does_not_wait_for_a_whole_decode() {
+        let t = OpenTable::new(Duration::from_secs(60));
+        let live = Arc::new(AtomicUsize::new(0));
+        let started = Instant::now();
+        let a = t.open_copy(
+            9,
+            &WAIT,
+            || Some(fill(20 * CHUNK, Duration::from_millis(25))),
+            backed(&live),
+        );
+        assert!(started.elapsed() < Duration::from_millis(400));
+        let Opened::Fuse { fill: Some(f), .. } = &a else {
+            panic!("the first open of a filling copy is not served from it");
+        };
+        let mut buf = vec![0u8; 4096];
+        f.read(3 * CHUNK, &mut buf).unwrap();
+        assert_eq!(buf[0], ((3 * CHUNK) % 253) as u8);
+        // A second open joins the first through FUSE and reads from the same copy.
+        let b = t.open_copy(9, &WAIT, || panic!("decoded twice"), backed(&live));
+        let Opened::Fuse { fill: Some(g), .. } = &b else {
+            panic!("second open not served from the copy");
+        };
+        assert!(Arc::ptr_eq(f, g));
+        assert!(f.wait_complete(Duration::from_secs(30)).is_some());
+        t.release(a.fh());
+        t.release(b.fh());
+        // Complete and closed: the next open gets it by passthrough.
+        let c = t.open_copy(9, &WAIT, || panic!("decoded twice"), backed(&live));
+        assert!(matches!(c, Opened::Passthrough { .. }));
+        assert_eq!(live.load(Ordering::SeqCst), 1);
+    }
+
+    #[test]
+    fn copies_outlive_the_last_close_by_the_grace_period() {
+        let t = OpenTable::new(Duration::from_secs(60));
+        let live = Arc::new(AtomicUsize::new(0));
+        let o = t.open_copy(
+            2,
+            &WAIT,
+            || Some(fill(CHUNK, Duration::ZERO)),
+            backed(&live),
+        );
+        assert_eq!(t.kept_bytes(), 0, "an open copy counted as kept");
+        t.release(o.fh());
+        assert_eq!(t.kept_bytes(), CHUNK);
+        assert_eq!(t.expire(Instant::now()), 0, "let go before the grace ended");
+        assert_eq!(t.expire(Instant::now() + Duration::from_secs(61)), CHUNK);
+        assert_eq!(t.kept_bytes(), 0);
+        // The next open decodes again.
+        let started = Arc::new(AtomicBool::new(false));
+        let s = started.clone();
+        let o = t.open_copy(
+            2,
+            &WAIT,
+            || {
+                s.store(true, Ordering::SeqCst);
+                Some(fill(CHUNK, Duration::ZERO))
+            },
+            backed(&live),
+        );
+        assert!(started.load(Ordering::SeqCst));
+        t.release(o.fh());
+    }
+
+    #[test]
+    fn room_is_made_from_old_closed_copies_then_the_farthest_ahead() {
+        let t: OpenTable<Id> = OpenTable::new(Duration::from_secs(60));
+        let live = Arc::new(AtomicUsize::new(0));
+        for (ino, rank) in [(20, 0), (21, 1), (22, 2)] {
+            assert!(matches!(
+                t.decode_ahead(ino, rank, || Some(fill(CHUNK, Duration::ZERO))),
+                Ahead::Started(_)
+            ));
+        }
+        // Decoding ahead never takes a file that has a copy.
+        assert!(matches!(
+            t.decode_ahead(20, 0, || panic!("twice")),
+            Ahead::Skipped
+        ));
+        let a = t.open_copy(
+            30,
+            &WAIT,
+            || Some(fill(CHUNK, Duration::ZERO)),
+            backed(&live),
+        );
+        t.release(a.fh());
+        // The closed copy goes first, then the farthest ahead (22).
+        assert_eq!(t.make_room(1), CHUNK);
+        let kept = |ino| t.inode(ino).lock().fill.is_some();
+        assert!(!kept(30) && kept(20) && kept(21) && kept(22));
+        assert_eq!(t.make_room(CHUNK + 1), 2 * CHUNK);
+        assert!(kept(20) && !kept(21) && !kept(22));
+        // The copy decoded ahead serves the first open of its file.
+        let o = t.open_copy(20, &WAIT, || panic!("decoded again"), backed(&live));
+        assert!(t.make_room(u64::MAX) == 0, "an open copy let go");
+        t.release(o.fh());
     }
 }

@@ -322,6 +322,36 @@ impl View {
         }
     }
 
+    /// Bytes at `off` without the integrity check, for a caller that serves nothing before
+    /// the verdict ([`crate::fill::Fill`]); how many, cut at the end of the file.
+    pub fn read_unchecked(&self, ino: Ino, off: u64, out: &mut [u8]) -> Result<usize, ReadError> {
+        self.read_unverified(ino, off, out)
+    }
+
+    /// Tell the kernel the sealed bytes behind `[off, off + len)` of a file will be read
+    /// soon, so the disk reads them while the cores decode what came before.
+    pub fn will_read(&self, ino: Ino, off: u64, len: u64) {
+        let Some(node) = self.node(ino) else { return };
+        let file = match &node.content {
+            Content::Shard { file, .. } => file,
+            Content::Verbatim { file, .. } => match file.get() {
+                Some(f) => f.as_ref(),
+                None => return,
+            },
+            _ => return,
+        };
+        use std::os::fd::AsRawFd;
+        // SAFETY: advice on an open descriptor; the kernel reads ahead asynchronously.
+        unsafe {
+            libc::posix_fadvise(
+                file.as_raw_fd(),
+                off as libc::off_t,
+                len as libc::off_t,
+                libc::POSIX_FADV_WILLNEED,
+            )
+        };
+    }
+
     fn read_unverified(&self, ino: Ino, off: u64, out: &mut [u8]) -> Result<usize, ReadError> {
         let node = self.node(ino).ok_or(ReadError::NotFound)?;
         let len = node.attr.size.saturating_sub(off).min(out.len() as u64) as usize;

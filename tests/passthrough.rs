@@ -90,7 +90,7 @@ fn one_decode_for_many_readers_shared_across_processes() {
     let s = Fixture::new();
     let m = Mnt::new();
     let log = m.scratch().join("log");
-    s.mount(&m, &log, &["--mode", "passthrough", "--cache-size", "0"]);
+    s.mount(&m, &log, &["--mode", "passthrough", "--keep-decoded", "0"]);
     assert!(
         mode_line(&log).contains("passthrough mode"),
         "{}",
@@ -123,8 +123,8 @@ fn one_decode_for_many_readers_shared_across_processes() {
     drop(map);
     drop(held);
 
-    // After the last close (and no cache to keep it), a reopen decodes again: the first
-    // copy was let go.
+    // After the last close (and no grace period to keep it), a reopen decodes again: the
+    // first copy was let go.
     wait_for(|| {
         fs::read(m.path(BIG)).unwrap();
         decodes_of(&log, BIG) == 2
@@ -133,15 +133,30 @@ fn one_decode_for_many_readers_shared_across_processes() {
 }
 
 #[test]
-fn closed_shards_are_kept_within_the_cache_budget() {
+fn closed_shards_are_kept_for_the_grace_period() {
     let s = Fixture::new();
     let m = Mnt::new();
     let log = m.scratch().join("log");
-    s.mount(&m, &log, &["--mode", "passthrough", "--cache-size", "64M"]);
+    s.mount(
+        &m,
+        &log,
+        &[
+            "--mode",
+            "passthrough",
+            "--keep-decoded",
+            "3s",
+            "--cache-size",
+            "0",
+        ],
+    );
     for _ in 0..3 {
         assert!(fs::read(m.path(BIG)).unwrap() == s.bytes(BIG));
     }
     assert_eq!(decodes_of(&log, BIG), 1, "a kept shard was decoded again");
+    // After the grace period the copy is let go, and the next open decodes again.
+    std::thread::sleep(Duration::from_secs(5));
+    assert!(fs::read(m.path(BIG)).unwrap() == s.bytes(BIG));
+    assert_eq!(decodes_of(&log, BIG), 2, "kept past the grace period");
 }
 
 /// Retry `f` for up to 5 s: a release reaches the daemon shortly after the close.
@@ -420,7 +435,9 @@ fn decoded_bytes_live_only_in_private_memory() {
     // No mount table the daemon or anyone else can see names its memory.
     let mounts = fs::read_to_string(format!("/proc/{pid}/mountinfo")).unwrap();
     assert!(
-        !mounts.lines().any(|l| l.contains("huge=always")),
+        !mounts
+            .lines()
+            .any(|l| l.contains("huge=always") || l.contains("huge=within_size")),
         "the private tmpfs is attached somewhere"
     );
     drop(held);
