@@ -59,8 +59,16 @@ pub struct Target {
     pub reservation: Option<crate::memfs::Reservation>,
 }
 
+/// Brings the sealed bytes at an offset into a buffer, to be unlocked in place.
+pub type FetchFn = dyn Fn(u64, &mut [u8]) -> io::Result<()> + Send + Sync;
+
 /// Where a fill's bytes come from.
 pub struct Source {
+    /// The sealed bytes of a chunk into its place in the copy.
+    pub fetch: Box<FetchFn>,
+    /// The fetched bytes of a chunk turned into view bytes in place.
+    pub unlock: Box<DecodeFn>,
+    /// View bytes of any range, for reads of chunks that failed.
     pub decode: Box<DecodeFn>,
     pub check: Option<Box<CheckFn>>,
     pub prefetch: Option<Box<PrefetchFn>>,
@@ -220,7 +228,7 @@ impl Fill {
         let node = view
             .node(ino)
             .ok_or_else(|| io::Error::from(io::ErrorKind::NotFound))?;
-        let (v, c, p) = (view.clone(), view.clone(), view.clone());
+        let (v, u, c, p) = (view.clone(), view.clone(), view.clone(), view.clone());
         let decode = move |off: u64, buf: &mut [u8]| match v.read_unchecked(ino, off, buf)? {
             n if n == buf.len() => Ok(()),
             n => Err(ReadError::Io(io::Error::new(
@@ -232,10 +240,28 @@ impl Fill {
             Some(_) => Some(Box::new(move || c.verify(ino))),
             None => None,
         };
+        let sealed = match view.sealed_file(ino) {
+            Ok(Some(f)) => Some(SealedReader::new(f)?),
+            Ok(None) => None,
+            Err(e) => return Err(io::Error::other(e.to_string())),
+        };
+        // Without O_DIRECT the page cache brings the sealed bytes: ask for them ahead.
+        let prefetch: Option<Box<PrefetchFn>> = match &sealed {
+            Some(r) if r.direct.is_none() => {
+                Some(Box::new(move |off, len| p.will_read(ino, off, len)))
+            }
+            _ => None,
+        };
+        let fetch = move |off: u64, buf: &mut [u8]| match &sealed {
+            Some(r) => r.read(off, buf),
+            None => Ok(()),
+        };
         let source = Source {
+            fetch: Box::new(fetch),
+            unlock: Box::new(move |off, buf| u.unlock_in_place(ino, off, buf)),
             decode: Box::new(decode),
             check,
-            prefetch: Some(Box::new(move |off, len| p.will_read(ino, off, len))),
+            prefetch,
         };
         let target = Target {
             file: memory.create()?,
@@ -382,14 +408,18 @@ impl Inner {
         (a, (a + CHUNK).min(self.len))
     }
 
-    /// Decode every chunk, wanted ones first, else in order from the cursor.
+    /// Decode every chunk, wanted ones first, else in order from the cursor. Each chunk is
+    /// fetched (its sealed bytes brought into its place) and then unlocked in place; the
+    /// next chunk is fetched on this thread while the cores unlock the current one, so the
+    /// disk and the decode overlap.
     fn dispatch(self: &Arc<Self>) {
         let mut failures = 0usize;
         // Memory is allocated in file order up to the chunk decoded, so that the page size
         // stays the step's even when a reader moves the decoder ahead.
         let mut allocated = if self.step == 0 { self.len } else { 0 };
+        let mut fetched = vec![false; self.state.lock().chunks.len()];
         loop {
-            let (i, priority) = {
+            let (i, next, priority) = {
                 let mut s = self.state.lock();
                 if s.cancelled {
                     return;
@@ -398,29 +428,41 @@ impl Inner {
                 s.chunks[i] = Chunk::Busy;
                 s.cursor = i + 1;
                 self.changed.notify_all();
-                (i, s.priority)
+                (i, s.peek_next(), s.priority)
             };
             let (a, b) = self.range(i);
-            let map = self.map.as_ref().expect("a non-empty file is mapped");
-            // SAFETY: chunk `i` is Busy: only this thread touches its bytes until it is
-            // marked Done or Failed below.
-            let buf = unsafe {
-                std::slice::from_raw_parts_mut(map.as_mut_ptr().add(a as usize), (b - a) as usize)
-            };
-            let mut decode = move || (self.source.decode)(a, buf);
-            let result = match self.allocate(allocated, b) {
-                Err(e) => Err(ReadError::Io(e)),
-                Ok(()) => {
-                    allocated = allocated.max(b);
-                    match priority {
-                        Priority::Demand => decode(),
-                        Priority::Ahead => match ahead_pool() {
-                            Some(pool) => pool.install(decode),
-                            None => decode(),
-                        },
+            let mut result = self.allocate(&mut allocated, b).map_err(ReadError::Io);
+            if result.is_ok() && !fetched[i] {
+                // SAFETY: chunk `i` is Busy: only this thread touches its bytes until it
+                // is marked Done or Failed below.
+                result =
+                    (self.source.fetch)(a, unsafe { self.chunk_mut(i) }).map_err(ReadError::Io);
+            }
+            fetched[i] = false;
+            if result.is_ok() {
+                // The next chunk is Pending and only this thread writes chunks: its bytes
+                // are free to fetch while chunk `i` is unlocked.
+                let next = next.filter(|&j| {
+                    !fetched[j] && self.allocate(&mut allocated, self.range(j).1).is_ok()
+                });
+                // SAFETY: as above; `i` and `next` are different chunks.
+                let buf = unsafe { self.chunk_mut(i) };
+                let mut unlock = move || (self.source.unlock)(a, buf);
+                result = std::thread::scope(|scope| {
+                    let unlocking = scope.spawn(move || match (priority, ahead_pool()) {
+                        (Priority::Ahead, Some(pool)) => pool.install(unlock),
+                        _ => unlock(),
+                    });
+                    if let Some(j) = next {
+                        let (c, _) = self.range(j);
+                        // SAFETY: see above.
+                        fetched[j] = (self.source.fetch)(c, unsafe { self.chunk_mut(j) }).is_ok();
                     }
-                }
-            };
+                    unlocking
+                        .join()
+                        .unwrap_or_else(|_| Err(ReadError::Io(io::Error::other("decode panicked"))))
+                });
+            }
             let mut s = self.state.lock();
             s.left -= 1;
             s.chunks[i] = match &result {
@@ -467,14 +509,29 @@ impl Inner {
         self.changed.notify_all();
     }
 
-    fn allocate(&self, from: u64, to: u64) -> io::Result<()> {
-        if from >= to {
+    /// Allocate the file's memory in order up to `to`; `allocated` is how far it is.
+    fn allocate(&self, allocated: &mut u64, to: u64) -> io::Result<()> {
+        if *allocated >= to {
             return Ok(());
         }
         match self.file.lock().as_ref() {
-            Some(f) => crate::memfs::allocate_range(f, from, to, self.step),
-            None => Err(io::Error::other("the file is sealed")),
+            Some(f) => crate::memfs::allocate_range(f, *allocated, to, self.step)?,
+            None => return Err(io::Error::other("the file is sealed")),
         }
+        *allocated = to;
+        Ok(())
+    }
+
+    /// The bytes of chunk `i` in the mapping.
+    ///
+    /// # Safety
+    /// The caller must be the only one touching chunk `i` (the dispatcher, while the chunk
+    /// is not Done) and its memory must be allocated.
+    #[allow(clippy::mut_from_ref)]
+    unsafe fn chunk_mut(&self, i: usize) -> &mut [u8] {
+        let (a, b) = self.range(i);
+        let map = self.map.as_ref().expect("a non-empty file is mapped");
+        std::slice::from_raw_parts_mut(map.as_mut_ptr().add(a as usize), (b - a) as usize)
     }
 
     /// Close the writable descriptor, leave the mapping read-only, and make the file the
@@ -521,6 +578,17 @@ impl Inner {
 }
 
 impl State {
+    /// The chunk `next_chunk` would give now, without taking it.
+    fn peek_next(&self) -> Option<usize> {
+        let pending = |i: &usize| self.chunks[*i] == Chunk::Pending;
+        let n = self.chunks.len();
+        self.wanted
+            .iter()
+            .copied()
+            .find(pending)
+            .or_else(|| (self.cursor..n).chain(0..self.cursor.min(n)).find(pending))
+    }
+
     fn next_chunk(&mut self) -> Option<usize> {
         while let Some(w) = self.wanted.pop_front() {
             if self.chunks[w] == Chunk::Pending {
@@ -531,6 +599,91 @@ impl State {
         (self.cursor..n)
             .chain(0..self.cursor.min(n))
             .find(|&i| self.chunks[i] == Chunk::Pending)
+    }
+}
+
+/// Reads a sealed file into a fill's memory: with `O_DIRECT` straight into the mapping
+/// when the bytes are not in the page cache (no second set of fresh pages for the
+/// sealed file's cache, and no copy), else through the page cache.
+struct SealedReader {
+    file: File,
+    direct: Option<File>,
+}
+
+/// `O_DIRECT` wants offsets, lengths and memory aligned to the device's logical block.
+const DIRECT_ALIGN: u64 = 4096;
+
+impl SealedReader {
+    fn new(file: &File) -> io::Result<SealedReader> {
+        use std::os::fd::AsRawFd;
+        use std::os::unix::fs::OpenOptionsExt;
+        // The same open file description, not the path: the file read is the one mounted.
+        let again = format!("/proc/self/fd/{}", file.as_raw_fd());
+        let direct = std::fs::OpenOptions::new()
+            .read(true)
+            .custom_flags(libc::O_DIRECT)
+            .open(&again)
+            .ok();
+        Ok(SealedReader {
+            file: File::open(&again)?,
+            direct,
+        })
+    }
+
+    fn read(&self, off: u64, buf: &mut [u8]) -> io::Result<()> {
+        use std::os::unix::fs::FileExt;
+        let aligned = (buf.len() as u64 / DIRECT_ALIGN * DIRECT_ALIGN) as usize;
+        let direct = self.direct.as_ref().filter(|_| {
+            off % DIRECT_ALIGN == 0
+                && buf.as_ptr() as u64 % DIRECT_ALIGN == 0
+                && aligned > 0
+                && !self.mostly_cached(off, buf.len() as u64)
+        });
+        let done = match direct {
+            Some(d) => match d.read_exact_at(&mut buf[..aligned], off) {
+                Ok(()) => aligned,
+                // A file system without O_DIRECT for this file: through the page cache.
+                Err(e) if e.raw_os_error() == Some(libc::EINVAL) => 0,
+                Err(e) => return Err(e),
+            },
+            None => 0,
+        };
+        self.file.read_exact_at(&mut buf[done..], off + done as u64)
+    }
+
+    /// Whether at least half of `[off, off + len)` is in the page cache (`cachestat`,
+    /// Linux 6.5+); if it cannot say, no.
+    fn mostly_cached(&self, off: u64, len: u64) -> bool {
+        use std::os::fd::AsRawFd;
+        #[repr(C)]
+        struct Range {
+            off: u64,
+            len: u64,
+        }
+        #[repr(C)]
+        #[derive(Default)]
+        struct Cachestat {
+            nr_cache: u64,
+            nr_dirty: u64,
+            nr_writeback: u64,
+            nr_evicted: u64,
+            nr_recently_evicted: u64,
+        }
+        // The number of cachestat on every architecture (new calls share one table).
+        const SYS_CACHESTAT: libc::c_long = 451;
+        let range = Range { off, len };
+        let mut st = Cachestat::default();
+        // SAFETY: cachestat reads `range` and writes `st`, both valid for the call.
+        let r = unsafe {
+            libc::syscall(
+                SYS_CACHESTAT,
+                self.file.as_raw_fd(),
+                &range as *const Range,
+                &mut st as *mut Cachestat,
+                0,
+            )
+        };
+        r == 0 && st.nr_cache * 4096 >= len / 2
     }
 }
 
@@ -594,14 +747,27 @@ mod tests {
         }
     }
 
+    /// A source whose chunks are made by `decode` alone (nothing to fetch).
+    fn with(
+        decode: impl Fn(u64, &mut [u8]) -> Result<(), ReadError> + Send + Sync + 'static,
+        check: Option<Box<CheckFn>>,
+        prefetch: Option<Box<PrefetchFn>>,
+    ) -> Source {
+        let d = Arc::new(decode);
+        let e = d.clone();
+        Source {
+            fetch: Box::new(|_, _| Ok(())),
+            unlock: Box::new(move |off, buf| d(off, buf)),
+            decode: Box::new(move |off, buf| e(off, buf)),
+            check,
+            prefetch,
+        }
+    }
+
     fn source(
         decode: impl Fn(u64, &mut [u8]) -> Result<(), ReadError> + Send + Sync + 'static,
     ) -> Source {
-        Source {
-            decode: Box::new(decode),
-            check: None,
-            prefetch: None,
-        }
+        with(decode, None, None)
     }
 
     fn start(len: u64, src: Source, p: Priority) -> Fill {
@@ -693,15 +859,12 @@ mod tests {
     fn nothing_is_served_before_a_good_verdict() {
         let checked = Arc::new(AtomicBool::new(false));
         let c = checked.clone();
-        let src = Source {
-            decode: Box::new(decode_ok),
-            check: Some(Box::new(move || {
-                std::thread::sleep(Duration::from_millis(100));
-                c.store(true, Ordering::SeqCst);
-                Ok(())
-            })),
-            prefetch: None,
+        let check = move || {
+            std::thread::sleep(Duration::from_millis(100));
+            c.store(true, Ordering::SeqCst);
+            Ok(())
         };
+        let src = with(decode_ok, Some(Box::new(check)), None);
         let f = start(2 * CHUNK, src, Priority::Demand);
         let mut out = vec![0u8; 16];
         // The check runs once on its thread; a reader's call here stands in for the
@@ -710,11 +873,8 @@ mod tests {
         assert!(f.wait_complete(Duration::from_secs(30)).is_some());
         assert!(checked.load(Ordering::SeqCst));
 
-        let bad = Source {
-            decode: Box::new(decode_ok),
-            check: Some(Box::new(|| Err(ReadError::Unverified("altered".into())))),
-            prefetch: None,
-        };
+        let altered = || Err(ReadError::Unverified("altered".into()));
+        let bad = with(decode_ok, Some(Box::new(altered)), None);
         let f = start(2 * CHUNK, bad, Priority::Demand);
         assert!(matches!(f.read(0, &mut out), Err(ReadError::Unverified(_))));
         assert!(f.wait_complete(Duration::from_secs(30)).is_none());
@@ -725,13 +885,10 @@ mod tests {
     fn prefetch_runs_ahead_of_the_decoder() {
         let asked = Arc::new(AtomicUsize::new(0));
         let a = asked.clone();
-        let src = Source {
-            decode: Box::new(decode_ok),
-            check: None,
-            prefetch: Some(Box::new(move |_off, len| {
-                a.fetch_add(len as usize, Ordering::SeqCst);
-            })),
+        let asked_for = move |_off, len: u64| {
+            a.fetch_add(len as usize, Ordering::SeqCst);
         };
+        let src = with(decode_ok, None, Some(Box::new(asked_for)));
         let len = 20 * CHUNK;
         let f = start(len, src, Priority::Ahead);
         assert!(f.wait_complete(Duration::from_secs(60)).is_some());
@@ -759,6 +916,79 @@ mod tests {
             "still decoding after the drop"
         );
         assert!(n < 100);
+    }
+
+    #[test]
+    fn each_chunk_is_fetched_once_and_unlocked_after_its_fetch() {
+        // Fetch writes the "sealed" bytes, unlock turns them into view bytes: a chunk
+        // unlocked before its fetch, or fetched twice over an unlocked chunk, reads wrong.
+        let fetches = Arc::new(AtomicUsize::new(0));
+        let f2 = fetches.clone();
+        let src = Source {
+            fetch: Box::new(move |off, buf: &mut [u8]| {
+                f2.fetch_add(1, Ordering::SeqCst);
+                std::thread::sleep(Duration::from_millis(5));
+                for (i, b) in buf.iter_mut().enumerate() {
+                    *b = byte(off + i as u64) ^ 0x5a;
+                }
+                Ok(())
+            }),
+            unlock: Box::new(|_, buf: &mut [u8]| {
+                buf.iter_mut().for_each(|b| *b ^= 0x5a);
+                Ok(())
+            }),
+            decode: Box::new(decode_ok),
+            check: None,
+            prefetch: None,
+        };
+        let n = 12;
+        let f = start(n * CHUNK, src, Priority::Demand);
+        // Readers move the decoder around: the last chunk, the middle, then the rest.
+        for &c in &[n - 1, n / 2, 0] {
+            let mut out = vec![0u8; 8192];
+            f.read(c * CHUNK + 100, &mut out).unwrap();
+            expect(c * CHUNK + 100, &out);
+        }
+        let m = f.wait_complete(Duration::from_secs(60)).expect("complete");
+        let mut all = vec![0u8; (n * CHUNK) as usize];
+        use std::os::unix::fs::FileExt;
+        m.file().read_exact_at(&mut all, 0).unwrap();
+        expect(0, &all);
+        assert_eq!(fetches.load(Ordering::SeqCst), n as usize);
+    }
+
+    #[test]
+    fn sealed_bytes_come_straight_from_disk_when_not_cached() {
+        use std::io::Write;
+        use std::os::unix::fs::FileExt;
+        let len = (9 << 20) + 123;
+        let data: Vec<u8> = (0..len).map(|i| byte(i as u64 * 7)).collect();
+        let mut file = tempfile::tempfile_in("/var/tmp").unwrap();
+        file.write_all(&data).unwrap();
+        file.sync_all().unwrap();
+        use std::os::fd::AsRawFd;
+        // SAFETY: advice on our own descriptor.
+        unsafe { libc::posix_fadvise(file.as_raw_fd(), 0, 0, libc::POSIX_FADV_DONTNEED) };
+        let r = SealedReader::new(&file).unwrap();
+        if r.direct.is_none() {
+            eprintln!("skipped: /var/tmp has no O_DIRECT");
+            return;
+        }
+        let mut buf = memmap2::MmapMut::map_anon(len).unwrap();
+        r.read(0, &mut buf[..8 << 20]).unwrap();
+        r.read(8 << 20, &mut buf[8 << 20..]).unwrap();
+        assert!(buf[..] == data[..]);
+        assert!(
+            !r.mostly_cached(0, 8 << 20),
+            "the uncached part came through the page cache"
+        );
+        // Cached bytes come through the page cache, and are the same.
+        let mut again = vec![0u8; 1 << 20];
+        file.read_exact_at(&mut again, 0).unwrap();
+        assert!(r.mostly_cached(0, 1 << 20));
+        let mut out = memmap2::MmapMut::map_anon(1 << 20).unwrap();
+        r.read(0, &mut out).unwrap();
+        assert!(out[..] == data[..1 << 20]);
     }
 
     #[test]

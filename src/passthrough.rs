@@ -662,14 +662,17 @@ mod tests {
 
     /// A fill of `len` bytes into a scratch file, each chunk taking `per_chunk`.
     fn fill(len: u64, per_chunk: Duration) -> Arc<Fill> {
+        let make = move |off, buf: &mut [u8]| {
+            std::thread::sleep(per_chunk);
+            for (i, b) in buf.iter_mut().enumerate() {
+                *b = ((off + i as u64) % 253) as u8;
+            }
+            Ok(())
+        };
         let source = Source {
-            decode: Box::new(move |off, buf: &mut [u8]| {
-                std::thread::sleep(per_chunk);
-                for (i, b) in buf.iter_mut().enumerate() {
-                    *b = ((off + i as u64) % 253) as u8;
-                }
-                Ok(())
-            }),
+            fetch: Box::new(|_, _| Ok(())),
+            unlock: Box::new(make),
+            decode: Box::new(make),
             check: None,
             prefetch: None,
         };

@@ -328,6 +328,57 @@ impl View {
         self.read_unverified(ino, off, out)
     }
 
+    /// The sealed file whose bytes a file of the view shows (decoded or not); `None` for
+    /// bytes held in memory.
+    pub fn sealed_file(&self, ino: Ino) -> Result<Option<&File>, ReadError> {
+        let node = self.node(ino).ok_or(ReadError::NotFound)?;
+        match &node.content {
+            Content::Shard { file, .. } => Ok(Some(file)),
+            Content::Verbatim { .. } => self.verbatim_file(node).map(|f| Some(f.as_ref())),
+            Content::Memory(_) => Ok(None),
+            Content::Dir(_) => Err(ReadError::IsDir),
+        }
+    }
+
+    /// Turn `buf`, which holds the bytes of [`View::sealed_file`] at `off` (nothing for
+    /// bytes held in memory), into the file's view bytes in place, without the integrity
+    /// check, for a copy that serves nothing before the verdict ([`crate::fill::Fill`]).
+    /// Fails if the sealed file changed since mounting.
+    pub fn unlock_in_place(&self, ino: Ino, off: u64, buf: &mut [u8]) -> Result<(), ReadError> {
+        let node = self.node(ino).ok_or(ReadError::NotFound)?;
+        if off + buf.len() as u64 > node.attr.size {
+            return Err(ReadError::Io(std::io::Error::other(
+                "past the end of the file",
+            )));
+        }
+        match &node.content {
+            Content::Dir(_) => return Err(ReadError::IsDir),
+            Content::Memory(bytes) => {
+                buf.copy_from_slice(&bytes[off as usize..off as usize + buf.len()]);
+            }
+            Content::Verbatim { stamp, .. } => {
+                let f = self.verbatim_file(node)?;
+                if node.integrity.is_some() && stamp.rewritten(&Stamp::of(f)?) {
+                    return Err(ReadError::Changed);
+                }
+            }
+            Content::Shard {
+                file, shard, stamp, ..
+            } => {
+                let raw = |at: u64, b: &mut [u8]| file.read_exact_at(b, at);
+                shard.unlock_in_place(off, buf, &raw)?;
+                Stats::add(&self.stats.bytes_decoded, buf.len() as u64);
+                // Checked after the sealed bytes were fetched: a change before or during
+                // the fetch is caught.
+                let touched_data = off + buf.len() as u64 > shard.data_start;
+                if touched_data && stamp.rewritten(&Stamp::of(file)?) {
+                    return Err(ReadError::Changed);
+                }
+            }
+        }
+        Ok(())
+    }
+
     /// Tell the kernel the sealed bytes behind `[off, off + len)` of a file will be read
     /// soon, so the disk reads them while the cores decode what came before.
     pub fn will_read(&self, ino: Ino, off: u64, len: u64) {
