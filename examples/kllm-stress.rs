@@ -29,11 +29,9 @@ use std::time::{Duration, Instant};
 
 use serde_json::Value;
 
-#[allow(dead_code)]
-#[path = "../tests/common/harness.rs"]
-mod harness;
-
-use harness::{alive, drop_page_cache, is_mounted, kill, open_direct, pread, rss_kib, SplitMix};
+use kllm_mount::testkit::{
+    alive, drop_page_cache, is_mounted, kill, open_direct, pread, rss_kib, SplitMix,
+};
 
 fn die(msg: &str) -> ! {
     eprintln!("kllm-stress: {msg}");
@@ -205,141 +203,159 @@ fn first_diff(a: &[u8], b: &[u8]) -> usize {
         .unwrap_or(a.len().min(b.len()))
 }
 
-fn load(
-    plain: &Path,
-    mnt: &Path,
-    pid: i32,
-    secs: u64,
-    readers: usize,
-    rss_limit_mb: Option<u64>,
-) -> bool {
-    let files = Arc::new(expectations(plain, mnt));
-    let big = &files[0];
-    eprintln!(
-        "kllm-stress: {} files, largest {} ({} MiB); {readers} readers + 1 mmap reader for {secs} s",
-        files.len(),
-        big.rel,
-        big.len >> 20
-    );
-    let stats = Arc::new(Stats::default());
-    let stop = Arc::new(AtomicBool::new(false));
-    let deadline = Instant::now() + Duration::from_secs(secs);
-    let mut handles = Vec::new();
-    for t in 0..readers {
-        let (files, stats, stop) = (files.clone(), stats.clone(), stop.clone());
-        let mnt = mnt.to_path_buf();
-        handles.push(std::thread::spawn(move || {
-            let mut rng = SplitMix(0x5eed ^ (t as u64) << 32 ^ std::process::id() as u64);
-            let direct: Vec<File> = files.iter().map(|f| open_direct(&mnt.join(&f.rel))).collect();
-            let cached: Vec<File> = files.iter().map(|f| File::open(mnt.join(&f.rel)).unwrap()).collect();
-            while !stop.load(Ordering::Relaxed) {
-                // Nine reads in ten go to the largest shard.
-                let i = if rng.below(10) < 9 { 0 } else { rng.below(files.len() as u64) as usize };
-                let f = &files[i];
-                let off = rng.below(f.len + 1);
-                let len = rng.size(4 << 20) as usize;
-                let via_cache = rng.below(8) == 0;
-                let h = if via_cache { &cached[i] } else { &direct[i] };
-                if via_cache && rng.below(4) == 0 {
-                    drop_page_cache(h);
-                }
-                match pread(h, off, len) {
-                    Ok(got) => {
-                        let want = f.bytes(off, len);
-                        if got != want {
-                            report_bad(
-                                &stats,
-                                format!(
-                                    "WRONG BYTES: {} [{off}, +{len}) {} first at +{} (got {} bytes, want {})",
-                                    f.rel,
-                                    if via_cache { "cached" } else { "direct" },
-                                    first_diff(&got, &want),
-                                    got.len(),
-                                    want.len()
-                                ),
-                                true,
-                            );
-                        }
-                        stats.bytes.fetch_add(got.len() as u64, Ordering::Relaxed);
-                    }
-                    Err(e) => report_bad(&stats, format!("ERROR: {} [{off}, +{len}): {e}", f.rel), false),
-                }
-                stats.reads.fetch_add(1, Ordering::Relaxed);
-            }
-        }));
+/// What the readers of `load` share.
+struct Load {
+    files: Vec<Expect>,
+    stats: Stats,
+    stop: AtomicBool,
+}
+
+impl Load {
+    fn running(&self) -> bool {
+        !self.stop.load(Ordering::Relaxed)
     }
-    // The mmap reader on the largest (locked) shard.
-    {
-        let (files, stats, stop) = (files.clone(), stats.clone(), stop.clone());
-        let path = mnt.join(&files[0].rel);
-        handles.push(std::thread::spawn(move || {
-            let f = File::open(&path).unwrap();
-            let len = files[0].len as usize;
-            // SAFETY: a private read-only mapping of a file we hold open; unmapped below. The
-            // mount is not torn down during the load, so no SIGBUS.
-            let base = unsafe {
-                libc::mmap(
-                    std::ptr::null_mut(),
-                    len,
-                    libc::PROT_READ,
-                    libc::MAP_PRIVATE,
-                    f.as_raw_fd(),
-                    0,
-                )
-            };
-            assert_ne!(base, libc::MAP_FAILED, "mmap");
-            let map = unsafe { std::slice::from_raw_parts(base as *const u8, len) };
-            let mut rng = SplitMix(0x3a3a);
-            let mut n = 0u64;
-            while !stop.load(Ordering::Relaxed) {
-                let off = rng.below(len as u64) as usize;
-                let l = (rng.size(8 << 20) as usize).min(len - off);
-                let want = files[0].bytes(off as u64, l);
-                if map[off..off + l] != want[..] {
+}
+
+/// Reader `t`: random ranges of random files by `pread` (nine in ten on the largest shard),
+/// through O_DIRECT or, one read in eight, the page cache, each compared with the plain file.
+fn pread_reader(load: &Load, mnt: &Path, t: usize) {
+    let files = &load.files;
+    let mut rng = SplitMix(0x5eed ^ (t as u64) << 32 ^ std::process::id() as u64);
+    let direct: Vec<File> = files
+        .iter()
+        .map(|f| open_direct(&mnt.join(&f.rel)))
+        .collect();
+    let cached: Vec<File> = files
+        .iter()
+        .map(|f| File::open(mnt.join(&f.rel)).unwrap())
+        .collect();
+    while load.running() {
+        let i = if rng.below(10) < 9 {
+            0
+        } else {
+            rng.below(files.len() as u64) as usize
+        };
+        let f = &files[i];
+        let off = rng.below(f.len + 1);
+        let len = rng.size(4 << 20) as usize;
+        let via_cache = rng.below(8) == 0;
+        let h = if via_cache { &cached[i] } else { &direct[i] };
+        if via_cache && rng.below(4) == 0 {
+            drop_page_cache(h);
+        }
+        match pread(h, off, len) {
+            Ok(got) => {
+                let want = f.bytes(off, len);
+                if got != want {
                     report_bad(
-                        &stats,
+                        &load.stats,
                         format!(
-                            "WRONG BYTES: mmap {} [{off}, +{l}) first at +{}",
-                            files[0].rel,
-                            first_diff(&map[off..off + l], &want)
+                            "WRONG BYTES: {} [{off}, +{len}) {} first at +{} (got {} bytes, want {})",
+                            f.rel,
+                            if via_cache { "cached" } else { "direct" },
+                            first_diff(&got, &want),
+                            got.len(),
+                            want.len()
                         ),
                         true,
                     );
                 }
-                stats.bytes.fetch_add(l as u64, Ordering::Relaxed);
-                stats.reads.fetch_add(1, Ordering::Relaxed);
-                n += 1;
-                if n % 16 == 0 {
-                    // Drop the pages so they are fetched from the daemon again.
-                    // SAFETY: on our own mapping.
-                    unsafe { libc::madvise(base, len, libc::MADV_DONTNEED) };
-                    drop_page_cache(&f);
-                }
+                load.stats
+                    .bytes
+                    .fetch_add(got.len() as u64, Ordering::Relaxed);
             }
-            // SAFETY: the mapping made above.
-            unsafe { libc::munmap(base, len) };
-        }));
+            Err(e) => report_bad(
+                &load.stats,
+                format!("ERROR: {} [{off}, +{len}): {e}", f.rel),
+                false,
+            ),
+        }
+        load.stats.reads.fetch_add(1, Ordering::Relaxed);
     }
+}
+
+/// The mmap reader: random windows of a private read-only mapping of the largest (locked)
+/// shard, its pages dropped every 16 reads so they are fetched from the daemon again.
+fn mmap_reader(load: &Load, mnt: &Path) {
+    let big = &load.files[0];
+    let f = File::open(mnt.join(&big.rel)).unwrap();
+    let len = big.len as usize;
+    // SAFETY: a private read-only mapping of a file we hold open; unmapped below. The mount
+    // is not torn down during the load, so no SIGBUS.
+    let base = unsafe {
+        libc::mmap(
+            std::ptr::null_mut(),
+            len,
+            libc::PROT_READ,
+            libc::MAP_PRIVATE,
+            f.as_raw_fd(),
+            0,
+        )
+    };
+    assert_ne!(base, libc::MAP_FAILED, "mmap");
+    // SAFETY: the mapping just made, `len` bytes, alive until the munmap below.
+    let map = unsafe { std::slice::from_raw_parts(base as *const u8, len) };
+    let mut rng = SplitMix(0x3a3a);
+    let mut n = 0u64;
+    while load.running() {
+        let off = rng.below(len as u64) as usize;
+        let l = (rng.size(8 << 20) as usize).min(len - off);
+        let want = big.bytes(off as u64, l);
+        if map[off..off + l] != want[..] {
+            report_bad(
+                &load.stats,
+                format!(
+                    "WRONG BYTES: mmap {} [{off}, +{l}) first at +{}",
+                    big.rel,
+                    first_diff(&map[off..off + l], &want)
+                ),
+                true,
+            );
+        }
+        load.stats.bytes.fetch_add(l as u64, Ordering::Relaxed);
+        load.stats.reads.fetch_add(1, Ordering::Relaxed);
+        n += 1;
+        if n % 16 == 0 {
+            // SAFETY: on our own mapping.
+            unsafe { libc::madvise(base, len, libc::MADV_DONTNEED) };
+            drop_page_cache(&f);
+        }
+    }
+    // SAFETY: the mapping made above.
+    unsafe { libc::munmap(base, len) };
+}
+
+/// The daemon's memory as sampled while the load ran.
+#[derive(Default)]
+struct DaemonWatch {
+    max_rss_kib: u64,
+    samples: u64,
+    /// It was gone before the end.
+    died: bool,
+}
+
+/// Sample the daemon's RSS every 100 ms until `deadline` (or until it is gone), with a
+/// progress line every 30 s.
+fn watch_daemon(load: &Load, pid: i32, deadline: Instant) -> DaemonWatch {
     let start = Instant::now();
-    let mut max_rss = 0u64;
-    let mut rss_samples = 0u64;
+    let mut w = DaemonWatch::default();
     let mut last_report = Instant::now();
-    let mut dead = false;
     while Instant::now() < deadline {
         std::thread::sleep(Duration::from_millis(100));
         match rss_kib(pid) {
             Some(kb) => {
-                max_rss = max_rss.max(kb);
-                rss_samples += 1;
+                w.max_rss_kib = w.max_rss_kib.max(kb);
+                w.samples += 1;
             }
             None => {
                 eprintln!("kllm-stress: the daemon (pid {pid}) is gone");
-                dead = true;
+                w.died = true;
                 break;
             }
         }
         if last_report.elapsed() >= Duration::from_secs(30) {
             last_report = Instant::now();
+            let stats = &load.stats;
             eprintln!(
                 "kllm-stress: {:>5.0} s: {} reads, {} MiB, {} errors, {} wrong, daemon RSS {} MiB (max {} MiB)",
                 start.elapsed().as_secs_f64(),
@@ -348,15 +364,21 @@ fn load(
                 stats.errors.load(Ordering::Relaxed),
                 stats.wrong.load(Ordering::Relaxed),
                 rss_kib(pid).unwrap_or(0) >> 10,
-                max_rss >> 10
+                w.max_rss_kib >> 10
             );
         }
     }
-    stop.store(true, Ordering::Relaxed);
-    for h in handles {
-        let _ = h.join();
-    }
-    let secs_run = start.elapsed().as_secs_f64();
+    w
+}
+
+/// Print the `load.*` lines scripts/stress reads; whether the load passed.
+fn report_load(
+    stats: &Stats,
+    secs_run: f64,
+    watch: &DaemonWatch,
+    pid: i32,
+    rss_limit_mb: Option<u64>,
+) -> bool {
     let (reads, bytes) = (
         stats.reads.load(Ordering::Relaxed),
         stats.bytes.load(Ordering::Relaxed),
@@ -365,20 +387,71 @@ fn load(
         stats.errors.load(Ordering::Relaxed),
         stats.wrong.load(Ordering::Relaxed),
     );
-    let rss_ok = rss_limit_mb.is_none_or(|l| max_rss <= l << 10);
+    let rss_ok = rss_limit_mb.is_none_or(|l| watch.max_rss_kib <= l << 10);
     println!("load.seconds={secs_run:.0}");
     println!("load.reads={reads}");
     println!("load.bytes_mib={}", bytes >> 20);
     println!("load.mib_per_s={:.0}", (bytes >> 20) as f64 / secs_run);
     println!("load.errors={errors}");
     println!("load.wrong_bytes={wrong}");
-    println!("load.daemon_max_rss_mib={:.1}", max_rss as f64 / 1024.0);
-    println!("load.rss_samples={rss_samples}");
+    println!(
+        "load.daemon_max_rss_mib={:.1}",
+        watch.max_rss_kib as f64 / 1024.0
+    );
+    println!("load.rss_samples={}", watch.samples);
     if let Some(l) = rss_limit_mb {
         println!("load.rss_limit_mib={l}");
     }
-    println!("load.daemon_alive={}", !dead && alive(pid));
-    errors == 0 && wrong == 0 && rss_ok && !dead
+    println!("load.daemon_alive={}", !watch.died && alive(pid));
+    errors == 0 && wrong == 0 && rss_ok && !watch.died
+}
+
+/// `readers` pread readers and one mmap reader for `secs` seconds while the daemon's RSS is
+/// watched; whether every byte was right, no read failed and the daemon lived within its
+/// limit.
+fn load(
+    plain: &Path,
+    mnt: &Path,
+    pid: i32,
+    secs: u64,
+    readers: usize,
+    rss_limit_mb: Option<u64>,
+) -> bool {
+    let load = Arc::new(Load {
+        files: expectations(plain, mnt),
+        stats: Stats::default(),
+        stop: AtomicBool::new(false),
+    });
+    let big = &load.files[0];
+    eprintln!(
+        "kllm-stress: {} files, largest {} ({} MiB); {readers} readers + 1 mmap reader for {secs} s",
+        load.files.len(),
+        big.rel,
+        big.len >> 20
+    );
+    let deadline = Instant::now() + Duration::from_secs(secs);
+    let mut handles = Vec::new();
+    for t in 0..readers {
+        let (load, mnt) = (load.clone(), mnt.to_path_buf());
+        handles.push(std::thread::spawn(move || pread_reader(&load, &mnt, t)));
+    }
+    {
+        let (load, mnt) = (load.clone(), mnt.to_path_buf());
+        handles.push(std::thread::spawn(move || mmap_reader(&load, &mnt)));
+    }
+    let start = Instant::now();
+    let watch = watch_daemon(&load, pid, deadline);
+    load.stop.store(true, Ordering::Relaxed);
+    for h in handles {
+        let _ = h.join();
+    }
+    report_load(
+        &load.stats,
+        start.elapsed().as_secs_f64(),
+        &watch,
+        pid,
+        rss_limit_mb,
+    )
 }
 
 fn sigterm(plain: &Path, mnt: &Path, pid: i32) -> bool {

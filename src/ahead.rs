@@ -14,8 +14,7 @@ use std::cmp::Ordering;
 use std::sync::Arc;
 use std::time::Duration;
 
-use crate::fill::Priority;
-use crate::passthrough::{start_copy, Ahead, OpenTable, ServeMode};
+use crate::passthrough::{Ahead, ServeMode};
 use crate::view::{Content, Ino, View};
 
 /// The index engines read to find the shards of a sharded checkpoint.
@@ -119,13 +118,14 @@ fn trim_zeros(s: &[u8]) -> &[u8] {
     &s[z..]
 }
 
-/// Start decoding ahead on a thread of its own.
-pub fn start<B: Send + Sync + 'static>(
+/// Start decoding ahead on a thread of its own: `decode(ino, rank)` asks for one shard's
+/// copy (see `OpenTable::decode_ahead`).
+pub fn start(
     view: Arc<View>,
     mode: Arc<ServeMode>,
-    opens: Arc<OpenTable<B>>,
+    decode: impl Fn(Ino, usize) -> Ahead + Send + 'static,
 ) {
-    let run = move || run(&view, &mode, &opens);
+    let run = move || run(&view, &mode, decode);
     if let Err(e) = std::thread::Builder::new()
         .name("kllm-ahead".into())
         .spawn(run)
@@ -134,7 +134,7 @@ pub fn start<B: Send + Sync + 'static>(
     }
 }
 
-fn run<B>(view: &Arc<View>, mode: &ServeMode, opens: &OpenTable<B>) {
+fn run(view: &View, mode: &ServeMode, decode: impl Fn(Ino, usize) -> Ahead) {
     let order = order(view);
     log::debug!("decode ahead: {} shards", order.len());
     for (rank, &ino) in order.iter().enumerate() {
@@ -142,12 +142,10 @@ fn run<B>(view: &Arc<View>, mode: &ServeMode, opens: &OpenTable<B>) {
             let Some(memory) = mode.passthrough() else {
                 return;
             };
-            let len = view.node(ino).map_or(0, |n| n.attr.size);
-            if len > memory.budget() {
+            if view.node(ino).map_or(0, |n| n.attr.size) > memory.budget() {
                 break;
             }
-            let start = || start_copy(view, memory, opens, ino, Priority::Ahead, false);
-            match opens.decode_ahead(ino, rank, start) {
+            match decode(ino, rank) {
                 Ahead::Started(fill) => {
                     fill.wait_done();
                     break;

@@ -1,17 +1,18 @@
 //! The command line: arguments (also from `-o` as mount(8) passes them), `--status`, and
-//! every check that can fail before mounting; then the daemon (src/daemon.rs) mounts.
+//! every check that can fail before mounting, in the order a user needs them answered;
+//! then it builds the daemon's settings and the daemon (src/daemon.rs) mounts.
 
 use std::io::Write;
 use std::path::{Path, PathBuf};
 
 use clap::{CommandFactory, Parser};
 
-use crate::daemon::{daemonize, serve};
+use crate::budget::{self, Budgets};
+use crate::daemon::{self, Served, Settings};
 use crate::key;
 use crate::mounttab::{expand_options, Ours};
-use crate::passthrough::{Requested, ServeMode};
+use crate::passthrough::{Copies, Requested, ServeMode};
 use crate::sealed::{self, Options, Verify};
-use crate::view::View;
 use crate::{Error, Result};
 
 #[derive(Parser, Debug)]
@@ -73,7 +74,7 @@ pub struct Args {
     #[arg(long, value_enum, default_value_t = Requested::Auto)]
     pub mode: Requested,
     /// Memory for decoded shards in passthrough mode (K/M/G suffixes); an open past it is
-    /// served through FUSE. Default: half the machine's memory.
+    /// served through FUSE. Default: half the machine's memory (src/budget.rs).
     #[arg(long, value_name = "SIZE", value_parser = parse_size)]
     pub passthrough_memory: Option<u64>,
     /// When files are checked against the manifest (kllm-manifest.json): `open` hashes each
@@ -148,6 +149,31 @@ impl Args {
     pub fn mountpoint(&self) -> &Path {
         self.mountpoint.as_deref().expect("MOUNTPOINT is required")
     }
+
+    /// The memory budgets these flags give on this machine.
+    pub fn budgets(&self) -> Budgets {
+        let flags = budget::Flags {
+            cache_size: self.cache_size,
+            passthrough_memory: self.passthrough_memory,
+        };
+        Budgets::decide(flags, budget::process_memory())
+    }
+
+    /// What the daemon needs from the command line.
+    pub fn settings(&self) -> Settings {
+        Settings {
+            source: self.sealed().to_path_buf(),
+            mountpoint: self.mountpoint().to_path_buf(),
+            fuse_options: self.options.clone(),
+            threads: self.threads,
+            readahead: self.readahead,
+            copies: Copies {
+                grace: self.keep_decoded,
+                decode_ahead: !self.no_decode_ahead,
+                ..Copies::default()
+            },
+        }
+    }
 }
 
 fn default_threads() -> usize {
@@ -156,27 +182,9 @@ fn default_threads() -> usize {
         .clamp(4, 16)
 }
 
-/// Half of the machine's memory.
-fn default_passthrough_memory() -> u64 {
-    // SAFETY: sysconf with valid names.
-    let (pages, page) = unsafe {
-        (
-            libc::sysconf(libc::_SC_PHYS_PAGES),
-            libc::sysconf(libc::_SC_PAGESIZE),
-        )
-    };
-    (pages.max(0) as u64 * page.max(0) as u64) / 2
-}
-
-/// What a mount serves: the view, and the mode it is served in.
-pub struct Prepared {
-    pub view: View,
-    pub mode: ServeMode,
-}
-
-/// Everything that can fail before mounting: arguments, the seal, the key, the view, the
-/// serving mode.
-pub fn prepare(args: &Args) -> Result<Prepared> {
+/// Everything that can fail before mounting, in the order a user needs it answered: the
+/// mount point, the sealed directory, the key, the view, the serving mode.
+pub fn prepare(args: &Args, budgets: &Budgets) -> Result<Served> {
     let mp = args.mountpoint();
     // A second view stacked on one mount point would hide the first.
     crate::mounttab::check_not_mounted(mp)?;
@@ -185,6 +193,8 @@ pub fn prepare(args: &Args) -> Result<Prepared> {
         Ok(_) => return Err(Error::at(mp, "mount point is not a directory")),
         Err(e) => return Err(Error::at(mp, format!("mount point is not usable ({e})"))),
     }
+    // A wrong path is answered as such, not as a missing key (one is looked for in it).
+    check_source(args.sealed())?;
     let (model_key, source) = key::resolve(
         args.key.as_deref(),
         args.sealed(),
@@ -195,14 +205,22 @@ pub fn prepare(args: &Args) -> Result<Prepared> {
         verify: args.verify,
         manifest: args.manifest.clone(),
         manifest_sha256: args.manifest_sha256.clone(),
-        ..Options::with_cache(args.cache_size)
+        ..Options::with_cache(budgets.block_cache)
     };
     let view = sealed::open(args.sealed(), &model_key, &source, &opts)?;
-    let memory = args
-        .passthrough_memory
-        .unwrap_or_else(default_passthrough_memory);
-    let mode = ServeMode::choose(args.mode, memory)?;
-    Ok(Prepared { view, mode })
+    let mode = ServeMode::choose(args.mode, budgets.passthrough_memory)?;
+    Ok(Served { view, mode })
+}
+
+/// The sealed directory exists and is one this mount can serve.
+fn check_source(sealed: &Path) -> Result<()> {
+    match std::fs::metadata(sealed) {
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => {
+            Err(Error::at(sealed, "does not exist"))
+        }
+        Err(e) => Err(Error::at(sealed, format!("cannot be read ({e})"))),
+        Ok(_) => sealed::Seal::read(sealed).map(drop),
+    }
 }
 
 /// Remove secrets from the environment: from what children (fusermount3) inherit, and
@@ -286,7 +304,7 @@ fn print_status(mountpoint: &Path, metrics: bool) -> ! {
     }
 }
 
-pub(crate) fn fail(e: &Error) -> ! {
+fn fail(e: &Error) -> ! {
     eprintln!("kllm-mount: {e}");
     std::process::exit(1);
 }
@@ -313,7 +331,9 @@ pub fn main() {
     if let Err(e) = init_logging(&args, !args.foreground) {
         fail(&e);
     }
-    let prepared = prepare(&args).unwrap_or_else(|e| fail(&e));
+    let budgets = args.budgets();
+    let served = prepare(&args, &budgets).unwrap_or_else(|e| fail(&e));
+    let settings = args.settings();
     if args.foreground {
         // systemd Type=notify readiness (src/notify.rs).
         let ready = |r: Result<()>| {
@@ -321,12 +341,14 @@ pub fn main() {
                 crate::notify::ready(args.mountpoint())
             }
         };
-        if let Err(e) = serve(&args, prepared, ready) {
+        if let Err(e) = daemon::serve(&settings, served, ready) {
             fail(&e);
         }
         return;
     }
-    daemonize(&args, prepared);
+    if let Err(e) = daemon::daemonize(&settings, served) {
+        fail(&e);
+    }
 }
 
 #[cfg(test)]

@@ -1,27 +1,44 @@
 //! The daemon: mount, report readiness, serve until unmounted or signalled, unmount
-//! cleanly; in the background, a forked child that reports back through a pipe.
+//! cleanly; in the background, a forked child that reports back through a pipe. It takes
+//! its [`Settings`] from the command line (src/cli.rs) and returns its errors there.
 
 use std::io::{Read, Write};
 use std::os::fd::{FromRawFd, OwnedFd};
-use std::path::Path;
+use std::path::{Path, PathBuf};
 use std::sync::mpsc;
 use std::sync::Arc;
 use std::time::Duration;
 
 use fuser::{Config, MountOption, SessionACL};
 
-use crate::cli::{fail, Args, Prepared};
-use crate::fuse::{Copies, KllmFs};
+use crate::fuse::KllmFs;
 use crate::kernel_mount::Unmounter;
-use crate::passthrough::{OpenPolicy, ServeMode};
-
-/// How long an open waits for a decoded copy still filling before it is served through
-/// FUSE from the part decoded so far: a copy nearly done is worth the wait (passthrough
-/// reads at memory speed), and the first byte of any open stays within tens of ms.
-const OPEN_WAIT: Duration = Duration::from_millis(10);
+use crate::passthrough::{Copies, ServeMode};
 use crate::status::StatusServer;
 use crate::view::View;
 use crate::{Error, Result};
+
+/// What the daemon needs to mount and serve, built by the command line (src/cli.rs).
+#[derive(Debug, Clone)]
+pub struct Settings {
+    /// The sealed directory: the mount's source in the mount table, and in `--status`.
+    pub source: PathBuf,
+    pub mountpoint: PathBuf,
+    /// FUSE options, comma-separated, as `-o` gives them.
+    pub fuse_options: Vec<String>,
+    /// Threads serving kernel requests.
+    pub threads: usize,
+    /// The kernel's readahead window for the mount, in bytes; 0 keeps the kernel's.
+    pub readahead: u64,
+    /// How decoded copies are made and kept in passthrough mode.
+    pub copies: Copies,
+}
+
+/// What a mount serves: the view, and the mode it is served in.
+pub struct Served {
+    pub view: View,
+    pub mode: ServeMode,
+}
 
 /// FUSE mount configuration from the command line; the mount is always read-only.
 pub fn fuse_config(sealed: &Path, options: &[String], threads: usize) -> Result<Config> {
@@ -70,11 +87,11 @@ enum Event {
 
 /// Mount and serve until unmounted or signalled. `ready` is called once the mount answers,
 /// or with the error that stopped it.
-pub fn serve(args: &Args, prepared: Prepared, ready: impl FnOnce(Result<()>)) -> Result<()> {
+pub fn serve(settings: &Settings, served: Served, ready: impl FnOnce(Result<()>)) -> Result<()> {
     let (tx, rx) = mpsc::channel();
-    let view = Arc::new(prepared.view);
-    let mode = Arc::new(prepared.mode);
-    let mut unmounter = match start_session(args, view.clone(), mode.clone(), tx) {
+    let view = Arc::new(served.view);
+    let mode = Arc::new(served.mode);
+    let mut unmounter = match start_session(settings, view.clone(), mode.clone(), tx) {
         Ok(u) => u,
         Err(e) => {
             ready(Err(e.clone()));
@@ -82,30 +99,30 @@ pub fn serve(args: &Args, prepared: Prepared, ready: impl FnOnce(Result<()>)) ->
         }
     };
     // The handshake is done; a stat through the kernel proves the mount answers.
-    if let Err(e) = std::fs::metadata(args.mountpoint()) {
+    if let Err(e) = std::fs::metadata(&settings.mountpoint) {
         let err = Error::at(
-            args.mountpoint(),
+            &settings.mountpoint,
             format!("mounted but does not answer ({e})"),
         );
         let _ = unmounter.unmount();
         ready(Err(err.clone()));
         return Err(err);
     }
-    raise_readahead(args.mountpoint(), args.readahead);
-    let _status = start_status(args, view, mode);
+    raise_readahead(&settings.mountpoint, settings.readahead);
+    let _status = start_status(settings, view, mode);
     ready(Ok(()));
     log::info!(
         "mounted {} at {}",
-        args.sealed().display(),
-        args.mountpoint().display()
+        settings.source.display(),
+        settings.mountpoint.display()
     );
-    wait_for_end(args.mountpoint(), &rx, unmounter)
+    wait_for_end(&settings.mountpoint, &rx, unmounter)
 }
 
 /// Catch signals, mount, and run the session and the signal watcher on threads of their
 /// own that report to `events`.
 fn start_session(
-    args: &Args,
+    settings: &Settings,
     view: Arc<View>,
     mode: Arc<ServeMode>,
     events: mpsc::Sender<Event>,
@@ -114,26 +131,21 @@ fn start_session(
     let mut signals =
         signal_hook::iterator::Signals::new([libc::SIGTERM, libc::SIGINT, libc::SIGHUP])
             .map_err(|e| Error::new(format!("cannot handle signals ({e})")))?;
-    let cfg = fuse_config(args.sealed(), &args.options, args.threads)?;
-    let copies = Copies {
-        grace: args.keep_decoded,
-        decode_ahead: !args.no_decode_ahead,
-        policy: OpenPolicy { wait: OPEN_WAIT },
-    };
-    let fs = KllmFs::new(view, mode, copies).on_destroy(Box::new(|| {
+    let cfg = fuse_config(&settings.source, &settings.fuse_options, settings.threads)?;
+    let fs = KllmFs::new(view, mode, settings.copies.clone()).on_destroy(Box::new(|| {
         log::info!("session ended; exiting");
         std::process::exit(0)
     }));
     // As root mount(2) as `fuse.kllm-mount` with the sealed path as source, else through
     // fusermount3 (src/kernel_mount.rs).
     let (session, unmounter) =
-        crate::kernel_mount::mount(fs, args.mountpoint(), &cfg).map_err(|e| {
+        crate::kernel_mount::mount(fs, &settings.mountpoint, &cfg).map_err(|e| {
             let hint = if e.kind() == std::io::ErrorKind::NotFound {
                 " (is fuse3 installed? fusermount3 was not found)"
             } else {
                 ""
             };
-            Error::at(args.mountpoint(), format!("cannot mount ({e}){hint}"))
+            Error::at(&settings.mountpoint, format!("cannot mount ({e}){hint}"))
         })?;
     let ended = events.clone();
     spawn("kllm-session", move || {
@@ -149,7 +161,11 @@ fn start_session(
 
 /// The status socket (`kllm-mount --status`), its gauges read at each request. A mount
 /// without one still serves: the socket is for watching, not for reading the model.
-fn start_status(args: &Args, view: Arc<View>, mode: Arc<ServeMode>) -> Option<StatusServer> {
+fn start_status(
+    settings: &Settings,
+    view: Arc<View>,
+    mode: Arc<ServeMode>,
+) -> Option<StatusServer> {
     let stats = view.stats().clone();
     let (now, _) = mode.describe();
     let extra = move || {
@@ -170,7 +186,7 @@ fn start_status(args: &Args, view: Arc<View>, mode: Arc<ServeMode>) -> Option<St
             "backing_budget": mode.memory().map(|m| m.budget()),
         })
     };
-    match StatusServer::start(args.mountpoint(), args.sealed(), now, stats, extra) {
+    match StatusServer::start(&settings.mountpoint, &settings.source, now, stats, extra) {
         Ok(s) => Some(s),
         Err(e) => {
             log::warn!("no status socket: {e}");
@@ -262,13 +278,13 @@ fn detach(mountpoint: &Path) -> std::io::Result<()> {
     }
 }
 
-/// Fork a daemon that mounts; the parent exits 0 once the mount answers, or 1 with the
-/// daemon's error line. No thread exists yet, so forking is safe.
-pub fn daemonize(args: &Args, prepared: Prepared) -> ! {
+/// Fork a daemon that mounts and serves, then exits. The parent returns once the mount
+/// answers, or with the daemon's error. No thread exists yet, so forking is safe.
+pub fn daemonize(settings: &Settings, served: Served) -> Result<()> {
     let mut fds = [0i32; 2];
     // SAFETY: pipe2 fills two descriptors we then own.
     if unsafe { libc::pipe2(fds.as_mut_ptr(), libc::O_CLOEXEC) } != 0 {
-        fail(&Error::new(format!(
+        return Err(Error::new(format!(
             "cannot create a pipe ({})",
             std::io::Error::last_os_error()
         )));
@@ -277,7 +293,7 @@ pub fn daemonize(args: &Args, prepared: Prepared) -> ! {
     let (rd, wr) = unsafe { (OwnedFd::from_raw_fd(fds[0]), OwnedFd::from_raw_fd(fds[1])) };
     // SAFETY: single-threaded here (no thread was started yet).
     match unsafe { libc::fork() } {
-        -1 => fail(&Error::new(format!(
+        -1 => Err(Error::new(format!(
             "cannot fork ({})",
             std::io::Error::last_os_error()
         ))),
@@ -297,7 +313,7 @@ pub fn daemonize(args: &Args, prepared: Prepared) -> ! {
                 }
             }
             let mut wr = std::fs::File::from(wr);
-            let result = serve(args, prepared, |status| {
+            let result = serve(settings, served, |status| {
                 let msg = match status {
                     Ok(()) => "OK\n".to_string(),
                     Err(e) => format!("ERR {e}\n"),
@@ -309,13 +325,13 @@ pub fn daemonize(args: &Args, prepared: Prepared) -> ! {
         }
         _child => {
             drop(wr);
-            drop(prepared);
+            drop(served);
             let mut status = String::new();
             let _ = std::fs::File::from(rd).read_to_string(&mut status);
             match status.strip_prefix("ERR ") {
-                _ if status.starts_with("OK") => std::process::exit(0),
-                Some(msg) => fail(&Error::new(msg.trim_end())),
-                None => fail(&Error::new(
+                _ if status.starts_with("OK") => Ok(()),
+                Some(msg) => Err(Error::new(msg.trim_end())),
+                None => Err(Error::new(
                     "the mount daemon exited before the mount was ready",
                 )),
             }

@@ -10,14 +10,10 @@ use fuser::{
     ReplyDirectory, ReplyEmpty, ReplyEntry, ReplyOpen, ReplyStatfs, ReplyXattr, Request,
 };
 
-use crate::fill::Priority;
-use crate::memfs::MemoryFile;
-use crate::passthrough::{
-    start_copy, Backing, OpenPolicy, OpenTable, Opened, Requested, ServeMode,
-};
+use crate::metrics::Stats;
+use crate::passthrough::{Copies, Opened, Opens, ServeMode};
 use crate::secmem::SecureBuf;
-use crate::status::Stats;
-use crate::view::{Content, Ino, Kind, Node, View};
+use crate::view::{Ino, Kind, View};
 
 /// The view never changes while mounted, so the kernel may cache everything for long.
 const TTL: Duration = Duration::from_secs(3600);
@@ -41,29 +37,16 @@ pub type OnDestroy = Box<dyn FnMut() + Send + Sync>;
 
 pub struct KllmFs {
     view: Arc<View>,
-    mode: Arc<ServeMode>,
-    opens: Arc<OpenTable<BackingId>>,
-    copies: Copies,
+    opens: Opens<BackingId>,
     on_destroy: Option<OnDestroy>,
 }
 
-/// How decoded copies are made and kept in passthrough mode.
-#[derive(Debug, Clone)]
-pub struct Copies {
-    /// How long a decoded copy outlives the last close of its file.
-    pub grace: Duration,
-    /// Decode the shards an engine will read right after mounting (src/ahead.rs).
-    pub decode_ahead: bool,
-    pub policy: OpenPolicy,
-}
-
 impl KllmFs {
+    /// `copies`: how decoded copies are made and kept in passthrough mode.
     pub fn new(view: Arc<View>, mode: Arc<ServeMode>, copies: Copies) -> KllmFs {
         KllmFs {
+            opens: Opens::new(view.clone(), mode, copies),
             view,
-            mode,
-            opens: Arc::new(OpenTable::new(copies.grace)),
-            copies,
             on_destroy: None,
         }
     }
@@ -74,98 +57,6 @@ impl KllmFs {
     pub fn on_destroy(mut self, f: OnDestroy) -> KllmFs {
         self.on_destroy = Some(f);
         self
-    }
-
-    /// Hand `file` to the kernel as a backing file, or `None` to serve through FUSE.
-    fn backing(
-        &self,
-        ino: Ino,
-        file: &std::fs::File,
-        memory: Option<Arc<MemoryFile>>,
-        reply: &ReplyOpen,
-    ) -> Option<Backing<BackingId>> {
-        match reply.open_backing(file) {
-            Ok(id) => Some(Backing {
-                id: Arc::new(id),
-                memory,
-            }),
-            Err(e) if e.raw_os_error() == Some(libc::EPERM) => {
-                self.mode.turn_off(format!(
-                    "the kernel refuses backing files to this process ({e})"
-                ));
-                None
-            }
-            Err(e) => {
-                log::warn!(
-                    "{}: no backing file ({e}); served through FUSE",
-                    self.view.path_of(ino)
-                );
-                None
-            }
-        }
-    }
-
-    /// Open `node` in passthrough mode where the kernel allows it. A locked shard (and,
-    /// under a manifest, a verbatim file, so a later rewrite of the sealed file cannot
-    /// reach the kernel unchecked) is served from its decoded copy in private memory; any
-    /// other verbatim file is backed by the sealed file itself; bytes held in memory are
-    /// served through FUSE.
-    fn open_passthrough(
-        &self,
-        ino: Ino,
-        node: &Node,
-        memory: &crate::memfs::MemoryFs,
-        reply: &ReplyOpen,
-    ) -> Opened<BackingId> {
-        let copy = match &node.content {
-            Content::Shard { .. } => true,
-            Content::Verbatim { .. } => node.integrity.is_some(),
-            Content::Memory(_) | Content::Dir(_) => {
-                return Opened::Fuse {
-                    fh: self.opens.open_fuse(ino),
-                    fill: None,
-                }
-            }
-        };
-        if !copy {
-            return self
-                .opens
-                .open_direct(ino, || match self.view.verbatim_file(node) {
-                    Ok(f) => self.backing(ino, f, None, reply),
-                    Err(e) => {
-                        log::error!("{}: {e}", self.view.path_of(ino));
-                        None
-                    }
-                });
-        }
-        let start = || start_copy(&self.view, memory, &self.opens, ino, Priority::Demand, true);
-        let make = |m: &Arc<MemoryFile>| self.backing(ino, m.file(), Some(m.clone()), reply);
-        self.opens.open_copy(ino, &self.copies.policy, start, make)
-    }
-
-    /// Let go of decoded copies whose grace period after their last close has ended.
-    fn start_keeper(&self) {
-        let opens = Arc::downgrade(&self.opens);
-        let tick = self
-            .copies
-            .grace
-            .clamp(Duration::from_millis(100), Duration::from_secs(1));
-        let keeper = move || {
-            while let Some(opens) = opens.upgrade() {
-                let freed = opens.expire(std::time::Instant::now());
-                if freed > 0 {
-                    log::debug!("let go of {freed} bytes of decoded copies closed a while ago");
-                }
-                drop(opens);
-                std::thread::sleep(tick);
-            }
-        };
-        if let Err(e) = std::thread::Builder::new()
-            .name("kllm-keeper".into())
-            .spawn(keeper)
-        {
-            log::warn!("decoded copies are kept until memory is needed: no keeper thread ({e})");
-        }
     }
 
     fn attr(&self, ino: Ino) -> Option<FileAttr> {
@@ -205,7 +96,8 @@ impl Filesystem for KllmFs {
             let _ = config.set_max_write(max);
         }
         let _ = config.set_max_background(MAX_BACKGROUND);
-        if self.mode.passthrough().is_some() {
+        let mode = self.opens.mode();
+        if mode.passthrough().is_some() {
             // Depth 1: backing files on a plain file system (our tmpfs, the sealed files),
             // and this mount can still be the lower layer of an overlay.
             let offered = config
@@ -217,21 +109,14 @@ impl Filesystem for KllmFs {
                         .map_err(|_| InitFlags::FUSE_PASSTHROUGH)
                 });
             if offered.is_err() {
-                let why = "the kernel offers no FUSE passthrough (Linux 6.9+ with CONFIG_FUSE_PASSTHROUGH)";
-                if self.mode.requested() == Requested::Passthrough {
+                if let Err(why) = mode.kernel_offers_none() {
                     log::error!("--mode passthrough: {why}");
                     return Err(std::io::Error::other(why));
                 }
-                self.mode.turn_off(why.into());
             }
         }
-        self.mode.log();
-        if self.mode.passthrough().is_some() {
-            self.start_keeper();
-            if self.copies.decode_ahead {
-                crate::ahead::start(self.view.clone(), self.mode.clone(), self.opens.clone());
-            }
-        }
+        mode.log();
+        self.opens.start_background();
         Ok(())
     }
 
@@ -269,24 +154,15 @@ impl Filesystem for KllmFs {
         if flags.acc_mode() != OpenAccMode::O_RDONLY {
             return reply.error(Errno::EROFS);
         }
-        let opened = match self.mode.passthrough() {
-            Some(memory) => self.open_passthrough(ino.0, node, memory, &reply),
-            None => Opened::Fuse {
-                fh: self.opens.open_fuse(ino.0),
-                fill: None,
-            },
-        };
         let stats = self.view.stats();
-        if let Opened::Fuse { fh, .. } = opened {
-            // A file under a manifest is hashed before its first byte is served (a
-            // passthrough open checked it while decoding).
-            if let Err(e) = self.view.verify(ino.0) {
-                self.opens.release(fh);
+        let opened = match self.opens.open(ino.0, node, |f| reply.open_backing(f)) {
+            Ok(opened) => opened,
+            Err(e) => {
                 Stats::add(&stats.read_errors, 1);
                 log::error!("open of {} refused: {e}", self.view.path_of(ino.0));
                 return reply.error(Errno::from_i32(e.errno()));
             }
-        }
+        };
         stats.opened(matches!(opened, Opened::Passthrough { .. }));
         match opened {
             Opened::Passthrough { fh, id } => {
@@ -336,12 +212,7 @@ impl Filesystem for KllmFs {
                 }
             }
             let out = &mut buf.as_mut().expect("just made")[..size];
-            // A file with a decoded copy (filling or complete) is read from it.
-            let read = match self.opens.fill_of(fh.0) {
-                Some(fill) => fill.read(offset, out),
-                None => self.view.read_into(ino.0, offset, out),
-            };
-            match read {
+            match self.opens.read(fh.0, ino.0, offset, out) {
                 Ok(n) => {
                     Stats::add(&self.view.stats().bytes_served, n as u64);
                     reply.data(&out[..n])

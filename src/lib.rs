@@ -1,14 +1,18 @@
 pub mod ahead;
 pub mod blob;
+pub mod budget;
+pub mod digest;
 pub mod error;
 pub mod fill;
 pub mod kernel_mount;
 pub mod key;
 pub mod lock;
 pub mod memfs;
+pub mod metrics;
 pub mod mounttab;
 pub mod notify;
 pub mod passthrough;
+pub mod progress;
 pub mod pyjson;
 pub use error::{Error, ReadError, Result};
 pub mod cache;
@@ -20,6 +24,8 @@ pub mod sealed;
 pub mod secmem;
 pub mod shard;
 pub mod status;
+#[cfg(feature = "seal")]
+pub mod testkit;
 #[cfg(feature = "seal")]
 pub mod testseal;
 pub mod view;

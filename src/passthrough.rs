@@ -20,8 +20,8 @@ use parking_lot::Mutex;
 
 use crate::fill::{Fill, Priority};
 use crate::memfs::{MemoryFile, MemoryFs};
-use crate::view::{Ino, View};
-use crate::{Error, Result};
+use crate::view::{Content, Ino, Node, View};
+use crate::{Error, ReadError, Result};
 
 /// The serving mode asked for on the command line.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
@@ -106,6 +106,17 @@ impl ServeMode {
         }
     }
 
+    /// The kernel offered no passthrough at INIT: why, as an error if `--mode passthrough`
+    /// demanded it, else serve through FUSE.
+    pub fn kernel_offers_none(&self) -> std::result::Result<(), &'static str> {
+        let why = "the kernel offers no FUSE passthrough (Linux 6.9+ with CONFIG_FUSE_PASSTHROUGH)";
+        if self.requested == Requested::Passthrough {
+            return Err(why);
+        }
+        self.turn_off(why.into());
+        Ok(())
+    }
+
     /// The one log line saying which mode is in use and why.
     pub fn log(&self) {
         match (self.describe(), &self.memory) {
@@ -117,6 +128,265 @@ impl ServeMode {
                 "serving through FUSE: {}",
                 why.unwrap_or_else(|| "passthrough unavailable".into())
             ),
+        }
+    }
+}
+
+/// How decoded copies are made and kept in passthrough mode.
+#[derive(Debug, Clone)]
+pub struct Copies {
+    /// How long a decoded copy outlives the last close of its file.
+    pub grace: Duration,
+    /// Decode the shards an engine will read right after mounting (src/ahead.rs).
+    pub decode_ahead: bool,
+    /// How long an open waits for a copy still filling before it is served through FUSE
+    /// from the part decoded so far.
+    pub open_wait: Duration,
+}
+
+impl Default for Copies {
+    fn default() -> Copies {
+        Copies {
+            grace: Duration::from_secs(60),
+            decode_ahead: true,
+            open_wait: OPEN_WAIT,
+        }
+    }
+}
+
+/// How long an open waits for a decoded copy still filling: a copy nearly done is worth
+/// the wait (passthrough then reads at memory speed), and the first byte of any open stays
+/// within tens of milliseconds.
+pub const OPEN_WAIT: Duration = Duration::from_millis(10);
+
+/// Every open answered in a mode the kernel accepts: the serving mode, the handles open,
+/// the decoded copies, and how a backing file is made. `B` is the kernel's backing handle;
+/// the adapter passes in the call that makes one from a file, so this runs without a
+/// kernel in tests.
+pub struct Opens<B> {
+    view: Arc<View>,
+    mode: Arc<ServeMode>,
+    table: Arc<OpenTable<B>>,
+    copies: Copies,
+}
+
+impl<B: Send + Sync + 'static> Opens<B> {
+    pub fn new(view: Arc<View>, mode: Arc<ServeMode>, copies: Copies) -> Opens<B> {
+        Opens {
+            view,
+            mode,
+            table: Arc::new(OpenTable::new(copies.grace)),
+            copies,
+        }
+    }
+
+    pub fn mode(&self) -> &ServeMode {
+        &self.mode
+    }
+
+    /// Start what runs beside the opens in passthrough mode: the keeper that lets go of
+    /// copies whose grace period ended, and decode ahead (src/ahead.rs) unless turned off.
+    pub fn start_background(&self) {
+        if self.mode.passthrough().is_none() {
+            return;
+        }
+        let table = Arc::downgrade(&self.table);
+        let tick = self
+            .copies
+            .grace
+            .clamp(Duration::from_millis(100), Duration::from_secs(1));
+        let keeper = move || {
+            while let Some(table) = table.upgrade() {
+                let freed = table.expire(Instant::now());
+                if freed > 0 {
+                    log::debug!("let go of {freed} bytes of decoded copies closed a while ago");
+                }
+                drop(table);
+                std::thread::sleep(tick);
+            }
+        };
+        if let Err(e) = std::thread::Builder::new()
+            .name("kllm-keeper".into())
+            .spawn(keeper)
+        {
+            log::warn!("decoded copies are kept until memory is needed: no keeper thread ({e})");
+        }
+        if self.copies.decode_ahead {
+            let start = {
+                let (view, mode, table) =
+                    (self.view.clone(), self.mode.clone(), self.table.clone());
+                move |ino: Ino, rank: usize| {
+                    let Some(memory) = mode.passthrough() else {
+                        return Ahead::Skipped;
+                    };
+                    let start = || start_copy(&view, memory, &table, ino, Priority::Ahead, false);
+                    table.decode_ahead(ino, rank, start)
+                }
+            };
+            crate::ahead::start(self.view.clone(), self.mode.clone(), start);
+        }
+    }
+
+    /// Open file `ino` in passthrough mode when possible, backed through `open_backing`,
+    /// else through FUSE. A file under a manifest opened through FUSE is hashed first (a
+    /// passthrough open checked it while decoding); a mismatch refuses the open.
+    pub fn open(
+        &self,
+        ino: Ino,
+        node: &Node,
+        open_backing: impl Fn(&std::fs::File) -> std::io::Result<B>,
+    ) -> std::result::Result<Opened<B>, ReadError> {
+        let opened = match self.mode.passthrough() {
+            Some(memory) => self.open_passthrough(ino, node, memory, &open_backing),
+            None => Opened::Fuse {
+                fh: self.table.open_fuse(ino),
+                fill: None,
+            },
+        };
+        if let Opened::Fuse { fh, .. } = opened {
+            if let Err(e) = self.view.verify(ino) {
+                self.table.release(fh);
+                return Err(e);
+            }
+        }
+        Ok(opened)
+    }
+
+    /// The kernel released handle `fh`.
+    pub fn release(&self, fh: u64) -> Option<(Ino, OpenMode)> {
+        self.table.release(fh)
+    }
+
+    /// Bytes `[off, off + out.len())` of file `ino` for a read through FUSE on handle `fh`:
+    /// from the file's decoded copy when the handle has one (filling or complete), else
+    /// decoded for this read.
+    pub fn read(&self, fh: u64, ino: Ino, off: u64, out: &mut [u8]) -> Result<usize, ReadError> {
+        match self.table.fill_of(fh) {
+            Some(fill) => fill.read(off, out),
+            None => self.view.read_into(ino, off, out),
+        }
+    }
+
+    /// Open `node` in passthrough mode where the kernel allows it. A locked shard (and,
+    /// under a manifest, a verbatim file, so a later rewrite of the sealed file cannot
+    /// reach the kernel unchecked) is served from its decoded copy in private memory; any
+    /// other verbatim file is backed by the sealed file itself; bytes held in memory are
+    /// served through FUSE.
+    fn open_passthrough(
+        &self,
+        ino: Ino,
+        node: &Node,
+        memory: &MemoryFs,
+        open_backing: &impl Fn(&std::fs::File) -> std::io::Result<B>,
+    ) -> Opened<B> {
+        let copy = match &node.content {
+            Content::Shard { .. } => true,
+            Content::Verbatim { .. } => node.integrity.is_some(),
+            Content::Memory(_) | Content::Dir(_) => {
+                return Opened::Fuse {
+                    fh: self.table.open_fuse(ino),
+                    fill: None,
+                }
+            }
+        };
+        if !copy {
+            return self
+                .table
+                .open_direct(ino, || match self.view.verbatim_file(node) {
+                    Ok(f) => self.backing(ino, f, None, open_backing),
+                    Err(e) => {
+                        log::error!("{}: {e}", self.view.path_of(ino));
+                        None
+                    }
+                });
+        }
+        let start = || start_copy(&self.view, memory, &self.table, ino, Priority::Demand, true);
+        let make = |m: &Arc<MemoryFile>| self.backing(ino, m.file(), Some(m.clone()), open_backing);
+        let policy = OpenPolicy {
+            wait: self.copies.open_wait,
+        };
+        self.table.open_copy(ino, &policy, start, make)
+    }
+
+    /// Hand `file` to the kernel as a backing file, or `None` to serve through FUSE.
+    fn backing(
+        &self,
+        ino: Ino,
+        file: &std::fs::File,
+        memory: Option<Arc<MemoryFile>>,
+        open_backing: &impl Fn(&std::fs::File) -> std::io::Result<B>,
+    ) -> Option<Backing<B>> {
+        match open_backing(file) {
+            Ok(id) => Some(Backing {
+                id: Arc::new(id),
+                memory,
+            }),
+            Err(e) if e.raw_os_error() == Some(libc::EPERM) => {
+                self.mode.turn_off(format!(
+                    "the kernel refuses backing files to this process ({e})"
+                ));
+                None
+            }
+            Err(e) => {
+                log::warn!(
+                    "{}: no backing file ({e}); served through FUSE",
+                    self.view.path_of(ino)
+                );
+                None
+            }
+        }
+    }
+
+    /// Handles open now, by mode.
+    pub fn open_handles(&self) -> (u64, u64) {
+        self.table.open_handles()
+    }
+
+    /// Bytes of decoded copies no handle uses (kept after a close, or decoded ahead).
+    pub fn kept_bytes(&self) -> u64 {
+        self.table.kept_bytes()
+    }
+}
+
+/// Start a decoded copy of file `ino` in `memory`. When the budget is full and
+/// `make_room`, copies no handle uses are let go first (see [`OpenTable::make_room`]).
+/// `None` (logged) when there is no room or no copy could be made: the file is then served
+/// through FUSE.
+fn start_copy<B>(
+    view: &Arc<View>,
+    memory: &MemoryFs,
+    table: &OpenTable<B>,
+    ino: Ino,
+    priority: Priority,
+    make_room: bool,
+) -> Option<Arc<Fill>> {
+    let len = view.node(ino)?.attr.size;
+    let mut reservation = memory.reserve(len);
+    if reservation.is_none() && make_room && table.make_room(len) > 0 {
+        // What was let go is freed as its fill threads stop (within one chunk).
+        let deadline = Instant::now() + Duration::from_secs(2);
+        while reservation.is_none() && Instant::now() < deadline {
+            std::thread::sleep(Duration::from_millis(5));
+            reservation = memory.reserve(len);
+        }
+    }
+    let Some(reservation) = reservation else {
+        if make_room {
+            log::warn!(
+                "{}: the passthrough memory budget is full; served through FUSE",
+                view.path_of(ino)
+            );
+        }
+        return None;
+    };
+    match Fill::of_view(view, ino, memory, reservation, priority) {
+        Ok(f) => Some(Arc::new(f)),
+        Err(e) => {
+            log::warn!(
+                "{}: no decoded copy ({e}); served through FUSE",
+                view.path_of(ino)
+            );
+            None
         }
     }
 }
@@ -194,49 +464,6 @@ pub enum Ahead {
     Skipped,
     /// The budget has no room for it now.
     NoRoom,
-}
-
-/// Start a decoded copy of file `ino` in `memory`. When the budget is full and
-/// `make_room`, copies no handle uses are let go first (see [`OpenTable::make_room`]).
-/// `None` (logged) when there is no room or no copy could be made: the file is then served
-/// through FUSE.
-pub fn start_copy<B>(
-    view: &Arc<View>,
-    memory: &MemoryFs,
-    opens: &OpenTable<B>,
-    ino: Ino,
-    priority: Priority,
-    make_room: bool,
-) -> Option<Arc<Fill>> {
-    let len = view.node(ino)?.attr.size;
-    let mut reservation = memory.reserve(len);
-    if reservation.is_none() && make_room && opens.make_room(len) > 0 {
-        // What was let go is freed as its fill threads stop (within one chunk).
-        let deadline = Instant::now() + Duration::from_secs(2);
-        while reservation.is_none() && Instant::now() < deadline {
-            std::thread::sleep(Duration::from_millis(5));
-            reservation = memory.reserve(len);
-        }
-    }
-    let Some(reservation) = reservation else {
-        if make_room {
-            log::warn!(
-                "{}: the passthrough memory budget is full; served through FUSE",
-                view.path_of(ino)
-            );
-        }
-        return None;
-    };
-    match Fill::of_view(view, ino, memory, reservation, priority) {
-        Ok(f) => Some(Arc::new(f)),
-        Err(e) => {
-            log::warn!(
-                "{}: no decoded copy ({e}); served through FUSE",
-                view.path_of(ino)
-            );
-            None
-        }
-    }
 }
 
 /// The open handles of every inode, and the decoded copies of files with none.
@@ -562,6 +789,96 @@ mod tests {
         let m = ServeMode::choose(Requested::Fuse, 1 << 20).unwrap();
         assert!(m.passthrough().is_none() && m.memory().is_none());
         assert_eq!(m.describe(), ("fuse", Some("--mode fuse".to_string())));
+    }
+
+    /// A sealed sample's view, passthrough on (root only), with `Opens` over a fake kernel.
+    #[cfg(feature = "seal")]
+    fn sample_opens() -> Option<(tempfile::TempDir, Arc<View>, Opens<std::fs::File>)> {
+        use crate::key::ModelKey;
+        use crate::testseal;
+        let mode = match ServeMode::choose(Requested::Auto, 64 << 20) {
+            Ok(m) if m.passthrough().is_some() => m,
+            _ => {
+                eprintln!("skipped: passthrough needs root and a private tmpfs");
+                return None;
+            }
+        };
+        let tmp = tempfile::tempdir().unwrap();
+        let (plain, sealed) = (tmp.path().join("plain"), tmp.path().join("sealed"));
+        let key = ModelKey::new([7; 32]);
+        testseal::write_sample_model(&plain, 16, 1).unwrap();
+        let lock = Some(crate::lock::Version::V2);
+        testseal::seal_dir(&plain, &sealed, &key, lock, [3; 16]).unwrap();
+        let view = crate::sealed::open(&sealed, &key, &"test", &Default::default()).unwrap();
+        let view = Arc::new(view);
+        let copies = Copies {
+            open_wait: Duration::from_secs(30),
+            decode_ahead: false,
+            ..Copies::default()
+        };
+        let opens = Opens::new(view.clone(), Arc::new(mode), copies);
+        Some((tmp, view, opens))
+    }
+
+    #[cfg(feature = "seal")]
+    fn a_shard(view: &View) -> (String, Ino) {
+        view.file_paths()
+            .into_iter()
+            .find(|(_, ino)| matches!(view.node(*ino).unwrap().content, Content::Shard { .. }))
+            .expect("a locked shard")
+    }
+
+    /// The kernel's backing call, faked: the "handle" is a second descriptor of the file.
+    fn dup(f: &std::fs::File) -> std::io::Result<std::fs::File> {
+        f.try_clone()
+    }
+
+    #[cfg(feature = "seal")]
+    #[test]
+    fn a_locked_shard_is_backed_by_its_whole_decoded_copy() {
+        use std::io::Read;
+        let Some((_tmp, view, opens)) = sample_opens() else {
+            return;
+        };
+        let (path, ino) = a_shard(&view);
+        let node = view.node(ino).unwrap();
+        let Ok(Opened::Passthrough { fh, id }) = opens.open(ino, node, dup) else {
+            panic!("{path}: not opened in passthrough mode");
+        };
+        let mut backed = Vec::new();
+        (&*id).read_to_end(&mut backed).unwrap();
+        let want = view.read(ino, 0, node.attr.size as usize).unwrap();
+        assert!(
+            backed[..] == want[..],
+            "{path}: backing differs from the view"
+        );
+        assert!(opens.release(fh).is_some());
+    }
+
+    #[cfg(feature = "seal")]
+    #[test]
+    fn a_kernel_refusing_backing_files_turns_passthrough_off() {
+        let Some((_tmp, view, opens)) = sample_opens() else {
+            return;
+        };
+        let (_, ino) = a_shard(&view);
+        let node = view.node(ino).unwrap();
+        let refuse = |_: &std::fs::File| Err(std::io::Error::from_raw_os_error(libc::EPERM));
+        assert!(matches!(
+            opens.open(ino, node, refuse),
+            Ok(Opened::Fuse { .. })
+        ));
+        let (mode, why) = opens.mode().describe();
+        assert_eq!(mode, "fuse");
+        assert!(why.unwrap().contains("refuses backing files"));
+        // Later opens go through FUSE without asking the kernel.
+        let never = |_: &std::fs::File| -> std::io::Result<std::fs::File> {
+            panic!("a backing file was asked for with passthrough off")
+        };
+        assert!(matches!(
+            opens.open(ino, node, never),
+            Ok(Opened::Fuse { .. })
+        ));
     }
 
     /// A stand-in for the kernel's backing id that counts how many exist.

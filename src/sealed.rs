@@ -15,15 +15,13 @@ use crate::blob;
 use crate::cache::BlockCache;
 use crate::key::{ModelKey, SHIPPED_KEY};
 use crate::lock::Version;
-use crate::manifest::Manifest;
+use crate::manifest::{self, Manifest};
+use crate::metrics::Stats;
 use crate::pyjson;
 use crate::shard::{Shard, LOCK_META};
-use crate::status::Stats;
 use crate::view::{Attr, Content, Ino, Integrity, Kind, Node, Stamp, View, ROOT};
 use crate::{Error, Result};
 
-/// kLLM's catalog of the sealed files and their SHA-256.
-pub const MANIFEST: &str = "kllm-manifest.json";
 /// Pipelines keep their seal metadata here; LLMs in the `kllm` object of `config.json`.
 pub const PIPELINE_META: &str = "kllm.json";
 pub const LLM_META: &str = "config.json";
@@ -318,14 +316,15 @@ fn load_manifest(root: &Path, opts: &Options) -> Result<Option<Manifest>> {
     }
     let path = match &opts.manifest {
         Some(p) => Some(p.clone()),
-        None => Some(root.join(MANIFEST)).filter(|p| p.exists()),
+        None => Some(root.join(manifest::FILE_NAME)).filter(|p| p.exists()),
     };
     let Some(path) = path else {
         if opts.manifest_sha256.is_some() {
             return Err(Error::at(
                 root,
                 format!(
-                    "--manifest-sha256 is given, but there is no {MANIFEST} (give --manifest FILE)"
+                    "--manifest-sha256 is given, but there is no {} (give --manifest FILE)",
+                    manifest::FILE_NAME
                 ),
             ));
         }
@@ -369,7 +368,7 @@ fn verify_now(view: &View) -> Result<()> {
         .iter()
         .map(|(_, i)| view.node(*i).map_or(0, |n| n.attr.size))
         .sum();
-    let progress = crate::manifest::Progress::new("verifying");
+    let progress = crate::progress::Progress::new("verifying");
     let done = std::sync::atomic::AtomicU64::new(0);
     let results: Vec<_> = files
         .par_iter()
@@ -528,7 +527,7 @@ fn hidden(rel: &Path) -> bool {
     rel.parent() == Some(Path::new(""))
         && rel
             .file_name()
-            .is_some_and(|n| n == blob::FILE_NAME || n == SHIPPED_KEY || n == MANIFEST)
+            .is_some_and(|n| n == blob::FILE_NAME || n == SHIPPED_KEY || n == manifest::FILE_NAME)
 }
 
 /// The walk over the sealed directory: what every level needs, held once.

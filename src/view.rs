@@ -11,9 +11,9 @@ use std::time::SystemTime;
 use zeroize::Zeroizing;
 
 use crate::cache::BlockCache;
+use crate::metrics::Stats;
 use crate::secmem::Wiped;
 use crate::shard::Shard;
-use crate::status::Stats;
 use crate::ReadError;
 
 pub type Ino = u64;
@@ -311,11 +311,11 @@ impl View {
     fn hash(&self, node: &Node) -> std::io::Result<[u8; 32]> {
         match &node.content {
             Content::Verbatim { .. } => match self.verbatim_file(node) {
-                Ok(f) => crate::manifest::sha256_file(f),
+                Ok(f) => crate::digest::sha256_file(f),
                 Err(ReadError::Io(e)) => Err(e),
                 Err(e) => Err(std::io::Error::other(e.to_string())),
             },
-            Content::Shard { file, .. } => crate::manifest::sha256_file(file),
+            Content::Shard { file, .. } => crate::digest::sha256_file(file),
             Content::Memory(_) | Content::Dir(_) => Err(std::io::Error::other(
                 "no file to hash (its verdict is given at mount)",
             )),

@@ -4,15 +4,15 @@
 
 mod common;
 
-use std::collections::BTreeMap;
 use std::fs::{self, File, OpenOptions};
 use std::os::unix::fs::FileExt;
-use std::path::{Path, PathBuf};
+use std::path::Path;
 use std::process::Output;
 use std::time::{Duration, Instant};
 
 use common::*;
-use kllm_mount::lock::Version;
+use kllm_mount::manifest;
+use kllm_mount::metrics::METRICS;
 use serde_json::{json, Value};
 use sha2::{Digest, Sha256};
 
@@ -22,33 +22,27 @@ const SHARD: &str = "model-00002-of-00002.safetensors";
 const MODES: [&str; 2] = ["passthrough", "fuse"];
 
 /// A sealed sample with a manifest in kLLM's layout, and its view.
-struct Fixture {
-    s: Sample,
-    view: BTreeMap<String, Vec<u8>>,
+fn fixture() -> Fixture {
+    let f = Fixture::new(KEY, 256, 2);
+    f.write_manifest(&f.sealed().join(manifest::FILE_NAME));
+    f
 }
 
-impl Fixture {
-    fn new() -> Fixture {
-        let s = Sample::new(KEY, 256, 2, Some(Version::V2), |_| {});
-        let view = s.view();
-        let f = Fixture { s, view };
-        f.write_manifest(&f.sealed().join("kllm-manifest.json"));
-        f
-    }
+/// Manifests and mounts of a fixture, as these tests make them.
+trait Manifested {
+    /// A manifest of the sealed directory as kLLM's catalog writes it; its digest.
+    fn write_manifest(&self, to: &Path) -> String;
+    fn args(&self, extra: &[&str]) -> Vec<String>;
+    /// Mount in the background with a log in the mount's temporary directory; the daemon.
+    fn mount(&self, m: &Mnt, extra: &[&str]) -> i32;
+    fn try_mount(&self, m: &Mnt, extra: &[&str]) -> Output;
+}
 
-    fn sealed(&self) -> PathBuf {
-        self.s.sealed()
-    }
-
-    fn bytes(&self, rel: &str) -> &[u8] {
-        &self.view[rel]
-    }
-
-    /// A manifest of the sealed directory as kLLM's catalog writes it.
+impl Manifested for Fixture {
     fn write_manifest(&self, to: &Path) -> String {
         let mut files = serde_json::Map::new();
         for (rel, path) in tree(&self.sealed()) {
-            if rel != "kllm-manifest.json" {
+            if rel != manifest::FILE_NAME {
                 let digest = Sha256::digest(fs::read(path).unwrap());
                 files.insert(rel, Value::from(hex::encode(digest)));
             }
@@ -125,12 +119,12 @@ fn assert_reads_fail(m: &Mnt, rel: &str, label: &str) {
 
 #[test]
 fn untouched_files_are_verified_and_served_in_each_mode() {
-    let s = Fixture::new();
+    let s = fixture();
     for mode in MODES {
         let m = Mnt::new();
         s.mount(&m, &["--mode", mode]);
         assert!(
-            !m.path("kllm-manifest.json").exists(),
+            !m.path(manifest::FILE_NAME).exists(),
             "the manifest is shown"
         );
         for (rel, want) in &s.view {
@@ -207,7 +201,7 @@ fn altered_files_fail_with_eio_in_each_mode() {
         ("the config", "config.json", Box::new(|_| 5)),
     ];
     for (region, rel, at) in cases {
-        let s = Fixture::new();
+        let s = fixture();
         flip(&s.sealed(), rel, at(&s));
         for mode in MODES {
             let label = format!("{region}, --mode {mode}");
@@ -249,7 +243,7 @@ fn altered_files_fail_with_eio_in_each_mode() {
 
 #[test]
 fn an_altered_blob_is_refused_at_mount() {
-    let s = Fixture::new();
+    let s = fixture();
     flip(&s.sealed(), "trusted.kllm", -40);
     let m = Mnt::new();
     let out = s.try_mount(&m, &[]);
@@ -262,7 +256,7 @@ fn an_altered_blob_is_refused_at_mount() {
 #[test]
 fn missing_extra_and_pinned_manifests() {
     // A listed file that is missing: refused at mount, naming it.
-    let s = Fixture::new();
+    let s = fixture();
     fs::remove_file(s.sealed().join("tokenizer_config.json")).unwrap();
     let m = Mnt::new();
     let out = s.try_mount(&m, &[]);
@@ -274,7 +268,7 @@ fn missing_extra_and_pinned_manifests() {
     );
 
     // A file the manifest does not list is not shown.
-    let s = Fixture::new();
+    let s = fixture();
     fs::write(s.sealed().join("extra.py"), b"print('not sealed')").unwrap();
     let m = Mnt::new();
     s.mount(&m, &[]);
@@ -283,10 +277,10 @@ fn missing_extra_and_pinned_manifests() {
     drop(m);
 
     // Pinned: the right value mounts, another is refused, a pin without a manifest too.
-    let s = Fixture::new();
+    let s = fixture();
     let outside = s.s.root().join("catalog.json");
     let pin = s.write_manifest(&outside);
-    fs::remove_file(s.sealed().join("kllm-manifest.json")).unwrap();
+    fs::remove_file(s.sealed().join(manifest::FILE_NAME)).unwrap();
     let m = Mnt::new();
     s.mount(
         &m,
@@ -319,7 +313,7 @@ fn missing_extra_and_pinned_manifests() {
 
 #[test]
 fn a_verified_file_rewritten_later_fails() {
-    let s = Fixture::new();
+    let s = fixture();
     let m = Mnt::new();
     s.mount(&m, &["--mode", "fuse", "--cache-size", "0"]);
     let f = open_direct(&m.path("tokenizer_config.json"));
@@ -332,24 +326,12 @@ fn a_verified_file_rewritten_later_fails() {
 
 #[test]
 fn status_counts_what_was_read() {
-    let s = Fixture::new();
+    let s = fixture();
     let m = Mnt::new();
     s.mount(&m, &["--mode", "fuse", "--cache-size", "0"]);
     let st = status(&m);
-    for field in [
-        "mode",
-        "sealed",
-        "mounted_at",
-        "files_open",
-        "bytes_served",
-        "bytes_decoded",
-        "cache_hits",
-        "cache_misses",
-        "cache_bytes",
-        "read_errors",
-        "verified_files",
-        "failed_files",
-    ] {
+    let counters = METRICS.iter().map(|m| m.field);
+    for field in ["mode", "sealed", "mounted_at"].into_iter().chain(counters) {
         assert!(st.get(field).is_some(), "no {field} in {st}");
     }
     assert_eq!(st["bytes_served"], 0);

@@ -8,7 +8,7 @@
 mod common;
 
 use std::collections::BTreeSet;
-use std::ffi::OsString;
+use std::ffi::{OsStr, OsString};
 use std::fs::{self, File, OpenOptions};
 use std::io::{self, Read};
 use std::os::unix::fs::{FileExt, MetadataExt, PermissionsExt};
@@ -54,21 +54,13 @@ fn key_hex(case: &Case) -> String {
         .to_string()
 }
 
-/// Mount in the background and check it is there the moment the command returns.
-fn mount_with(m: &Mnt, sealed: &Path, args: &[OsString], env: &[(&str, String)]) {
-    let mut c = m.cmd(sealed);
-    c.args(args);
-    for (k, v) in env {
-        c.env(k, v);
-    }
-    m.mount(c);
-}
-
 fn mount_case(case: &Case, extra: &[&str]) -> Mnt {
     let m = Mnt::new();
     let (mut args, env) = key_setup(case);
     args.extend(extra.iter().map(OsString::from));
-    mount_with(&m, &case.sealed(), &args, &env);
+    m.mount_with(&case.sealed(), &args, |c| {
+        c.envs(env);
+    });
     m
 }
 
@@ -451,13 +443,6 @@ fn readahead_window_is_set_as_asked() {
 // 2. Read-only
 // ---------------------------------------------------------------------------------------
 
-fn case(name: &str) -> Case {
-    cases()
-        .into_iter()
-        .find(|c| c.name == name)
-        .unwrap_or_else(|| panic!("no vector {name}"))
-}
-
 fn libc_result(r: libc::c_int) -> io::Result<libc::c_int> {
     if r < 0 {
         Err(io::Error::last_os_error())
@@ -599,13 +584,13 @@ fn the_view_is_read_only() {
 }
 
 #[test]
-fn hidden_files_and_pass_through_modes() {
+fn hidden_files_and_modes_kept() {
     let c = case("llm_v2");
     let m = Mnt::new();
     let sealed = m.scratch().join("sealed");
     copy_tree(&c.sealed(), &sealed);
     fs::copy(c.dir.join("kllm.key"), sealed.join("kllm.key")).unwrap();
-    // Modes of every kind, on pass-through files and locked shards alike.
+    // Modes of every kind, on verbatim files and locked shards alike.
     let modes = [
         ("README.md", 0o600),
         ("merges.txt", 0o640),
@@ -618,11 +603,10 @@ fn hidden_files_and_pass_through_modes() {
         fs::set_permissions(sealed.join(rel), fs::Permissions::from_mode(mode)).unwrap();
     }
     fs::set_permissions(&sealed, fs::Permissions::from_mode(0o750)).unwrap();
-    mount_with(
-        &m,
+    m.mount_with(
         &sealed,
-        &["--key".into(), c.dir.join("kllm.key").into_os_string()],
-        &[],
+        &[OsStr::new("--key"), c.dir.join("kllm.key").as_os_str()],
+        |_| {},
     );
 
     let names: BTreeSet<String> = fs::read_dir(&m.mp)
@@ -783,11 +767,12 @@ fn passphrase_key_file() {
     let (key, pass) = c.key_file();
     let pass = pass.expect("llm_passphrase has passphrase.txt");
     let m = Mnt::new();
-    mount_with(
-        &m,
+    m.mount_with(
         &c.sealed(),
-        &["--key".into(), key.clone().into_os_string()],
-        &[("KLLM_PASSPHRASE", pass.clone())],
+        &[OsStr::new("--key"), key.as_os_str()],
+        |cmd| {
+            cmd.env("KLLM_PASSPHRASE", &pass);
+        },
     );
     assert_whole_view(&c, &m, "KLLM_PASSPHRASE");
     drop(m);
@@ -811,7 +796,9 @@ fn passphrase_key_file() {
 fn key_from_environment() {
     for c in cases().iter().filter(|c| c.ok()) {
         let m = Mnt::new();
-        mount_with(&m, &c.sealed(), &[], &[("KLLM_MODEL_KEY", key_hex(c))]);
+        m.mount_with::<&str>(&c.sealed(), &[], |cmd| {
+            cmd.env("KLLM_MODEL_KEY", key_hex(c));
+        });
         assert_whole_view(c, &m, &format!("{} KLLM_MODEL_KEY", c.name));
     }
     // A malformed variable is refused by name.
@@ -824,11 +811,12 @@ fn key_from_environment() {
     // --key wins over the environment.
     let other = case("llm_v1");
     let m = Mnt::new();
-    mount_with(
-        &m,
+    m.mount_with(
         &c.sealed(),
-        &["--key".into(), c.dir.join("kllm.key").into_os_string()],
-        &[("KLLM_MODEL_KEY", key_hex(&other))],
+        &[OsStr::new("--key"), c.dir.join("kllm.key").as_os_str()],
+        |cmd| {
+            cmd.env("KLLM_MODEL_KEY", key_hex(&other));
+        },
     );
     assert_whole_view(&c, &m, "--key over KLLM_MODEL_KEY");
 }
@@ -840,7 +828,7 @@ fn key_shipped_inside_the_sealed_directory() {
     let sealed = m.scratch().join("model");
     copy_tree(&c.sealed(), &sealed);
     fs::copy(c.dir.join("kllm.key"), sealed.join("kllm.key")).unwrap();
-    mount_with(&m, &sealed, &[], &[]);
+    m.mount_with::<&str>(&sealed, &[], |_| {});
     assert!(!m.path("kllm.key").exists(), "kllm.key visible in the view");
     assert!(!m.path("trusted.kllm").exists(), "trusted.kllm visible");
     assert_whole_view(&c, &m, "shipped kllm.key");
@@ -857,8 +845,38 @@ fn default_key_in_home() {
     let keys = m.home.join(".kllm/keys");
     fs::create_dir_all(&keys).unwrap();
     fs::copy(c.dir.join("kllm.key"), keys.join("default.key")).unwrap();
-    mount_with(&m, &c.sealed(), &[], &[]);
+    m.mount_with::<&str>(&c.sealed(), &[], |_| {});
     assert_whole_view(&c, &m, "HOME default.key");
+}
+
+/// A wrong sealed path is answered as such, before any key is looked for (none is given
+/// here, so a key error would mean the path was not checked first).
+#[test]
+fn a_wrong_source_is_named_before_the_key_is_looked_for() {
+    let m = Mnt::new();
+    let missing = m.scratch().join("no-such-model");
+    let empty = m.scratch().join("empty");
+    fs::create_dir(&empty).unwrap();
+    let cases = [
+        (&missing, "does not exist"),
+        (&empty, "is not a sealed kLLM directory"),
+    ];
+    for (dir, problem) in cases {
+        for fg in [false, true] {
+            let mut cmd = m.cmd(dir);
+            if fg {
+                cmd.arg("-f");
+            }
+            let label = format!("{} (-f: {fg})", dir.display());
+            let err = assert_refused(&m, &run(cmd), &label);
+            assert!(
+                err.contains(&*dir.to_string_lossy()),
+                "{label}: {err:?} does not name the path"
+            );
+            assert!(err.contains(problem), "{label}: {err:?} lacks {problem:?}");
+            assert!(!err.contains("no key"), "{label}: {err:?} asks for a key");
+        }
+    }
 }
 
 #[test]
@@ -1194,7 +1212,7 @@ fn corruption_gives_eio_never_wrong_bytes() {
         let m = Mnt::new();
         let mut args = key_args.to_vec();
         args.extend(["--cache-size".into(), cache.into()]);
-        mount_with(&m, &sealed, &args, &[]);
+        m.mount_with(&sealed, &args, |_| {});
         let p = m.path(&spot.shard);
         let label = format!("--cache-size {cache}: {}", spot.shard);
 

@@ -4,18 +4,16 @@
 
 mod common;
 
-use std::collections::BTreeMap;
 use std::fs::{self, File};
 use std::os::unix::fs::{FileExt, PermissionsExt};
 use std::os::unix::process::CommandExt;
-use std::path::{Path, PathBuf};
+use std::path::Path;
 use std::process::{Command, Output, Stdio};
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use common::*;
-use kllm_mount::lock::Version;
 
 const KEY: [u8; 32] = [0x5a; 32];
 const NOBODY: u32 = 65534;
@@ -23,49 +21,20 @@ const BIG: &str = "model-00002-of-00002.safetensors";
 const SMALL: &str = "model-00001-of-00002.safetensors";
 
 /// A sealed sample (a 6 MiB and a small shard) and its view.
-struct Fixture {
-    s: Sample,
-    view: BTreeMap<String, Vec<u8>>,
+fn fixture() -> Fixture {
+    Fixture::new(KEY, 512, 4)
 }
 
-impl Fixture {
-    fn new() -> Fixture {
-        let s = Sample::new(KEY, 512, 4, Some(Version::V2), |_| {});
-        let view = s.view();
-        Fixture { s, view }
-    }
-
-    fn sealed(&self) -> PathBuf {
-        self.s.sealed()
-    }
-
-    fn key_file(&self) -> PathBuf {
-        self.s.key_file()
-    }
-
-    fn bytes(&self, rel: &str) -> &[u8] {
-        &self.view[rel]
-    }
-
-    /// Mount in the background with a debug log at `log`; the daemon's pid.
-    fn mount(&self, m: &Mnt, log: &Path, extra: &[&str]) -> i32 {
-        let mut c = m.cmd(&self.sealed());
-        c.arg("--key")
-            .arg(self.key_file())
-            .arg("--log-file")
-            .arg(log)
-            .args(extra)
-            .env("RUST_LOG", "kllm_mount=debug");
-        m.mount(c)
-    }
-
-    /// Every file of the mount equals the view.
-    fn assert_view(&self, m: &Mnt, label: &str) {
-        for (rel, want) in &self.view {
-            let got = fs::read(m.path(rel)).unwrap_or_else(|e| panic!("{label}: {rel}: {e}"));
-            assert!(&got == want, "{label}: {rel} differs from the view");
-        }
-    }
+/// Mount `f` in the background with a debug log at `log`; the daemon's pid.
+fn mount_logged(f: &Fixture, m: &Mnt, log: &Path, extra: &[&str]) -> i32 {
+    let mut c = m.cmd(&f.sealed());
+    c.arg("--key")
+        .arg(f.key_file())
+        .arg("--log-file")
+        .arg(log)
+        .args(extra)
+        .env("RUST_LOG", "kllm_mount=debug");
+    m.mount(c)
 }
 
 fn log_lines(log: &Path, needle: &str) -> Vec<String> {
@@ -87,10 +56,15 @@ fn mode_line(log: &Path) -> String {
 
 #[test]
 fn one_decode_for_many_readers_shared_across_processes() {
-    let s = Fixture::new();
+    let s = fixture();
     let m = Mnt::new();
     let log = m.scratch().join("log");
-    s.mount(&m, &log, &["--mode", "passthrough", "--keep-decoded", "0"]);
+    mount_logged(
+        &s,
+        &m,
+        &log,
+        &["--mode", "passthrough", "--keep-decoded", "0"],
+    );
     assert!(
         mode_line(&log).contains("passthrough mode"),
         "{}",
@@ -134,10 +108,11 @@ fn one_decode_for_many_readers_shared_across_processes() {
 
 #[test]
 fn closed_shards_are_kept_for_the_grace_period() {
-    let s = Fixture::new();
+    let s = fixture();
     let m = Mnt::new();
     let log = m.scratch().join("log");
-    s.mount(
+    mount_logged(
+        &s,
         &m,
         &log,
         &[
@@ -170,10 +145,10 @@ fn wait_for(mut f: impl FnMut() -> bool) {
 
 #[test]
 fn forced_fuse_mode_serves_everything_through_the_daemon() {
-    let s = Fixture::new();
+    let s = fixture();
     let m = Mnt::new();
     let log = m.scratch().join("log");
-    s.mount(&m, &log, &["--mode", "fuse"]);
+    mount_logged(&s, &m, &log, &["--mode", "fuse"]);
     assert!(
         mode_line(&log).contains("serving through FUSE: --mode fuse"),
         "{}",
@@ -185,10 +160,11 @@ fn forced_fuse_mode_serves_everything_through_the_daemon() {
 
 #[test]
 fn over_budget_opens_fall_back_to_fuse() {
-    let s = Fixture::new();
+    let s = fixture();
     let m = Mnt::new();
     let log = m.scratch().join("log");
-    s.mount(
+    mount_logged(
+        &s,
         &m,
         &log,
         &["--mode", "passthrough", "--passthrough-memory", "1M"],
@@ -234,7 +210,7 @@ fn without_root_passthrough_falls_back_or_is_refused() {
         eprintln!("skipped: needs root to become another user");
         return;
     }
-    let s = Fixture::new();
+    let s = fixture();
     let m = Mnt::new();
     for dir in [m.scratch(), &m.mp] {
         fs::set_permissions(dir, fs::Permissions::from_mode(0o777)).unwrap();
@@ -290,10 +266,10 @@ fn without_root_passthrough_falls_back_or_is_refused() {
 
 #[test]
 fn sigterm_with_files_open_and_mapped_leaves_no_mount_and_no_hung_reader() {
-    let s = Fixture::new();
+    let s = fixture();
     let m = Mnt::new();
     let log = m.scratch().join("log");
-    let pid = s.mount(&m, &log, &["--mode", "passthrough"]);
+    let pid = mount_logged(&s, &m, &log, &["--mode", "passthrough"]);
     let file = File::open(m.path(BIG)).unwrap();
     // SAFETY: the view is read-only and immutable while mounted.
     let map = unsafe { memmap2::Mmap::map(&file) }.unwrap();
@@ -387,10 +363,15 @@ fn fds_of(pid: i32) -> Vec<Fd> {
 #[test]
 fn decoded_bytes_live_only_in_private_memory() {
     const TMPFS_MAGIC: i64 = 0x0102_1994;
-    let s = Fixture::new();
+    let s = fixture();
     let m = Mnt::new();
     let log = m.scratch().join("log");
-    let pid = s.mount(&m, &log, &["--mode", "passthrough", "--cache-size", "64M"]);
+    let pid = mount_logged(
+        &s,
+        &m,
+        &log,
+        &["--mode", "passthrough", "--cache-size", "64M"],
+    );
     let held: Vec<File> = [BIG, SMALL]
         .iter()
         .map(|r| File::open(m.path(r)).unwrap())

@@ -287,7 +287,7 @@ fn shard_header_problems() {
 }
 
 #[test]
-fn no_lock_directories_pass_through() {
+fn no_lock_directories_are_served_verbatim() {
     let (t, dir) = sealed_sample(None);
     let key = ModelKey::new(KEY);
     let view = sealed::open(&dir, &key, &"test", &Options::default()).unwrap();

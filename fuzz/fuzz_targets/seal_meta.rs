@@ -13,7 +13,7 @@ use serde_json::Value;
 /// valid JSON. Written escaped (`\u0024serde_json...`) it parses, and re-serialized it then
 /// does not. Found by this target; kllm-mount refuses such a file cleanly (finding F8 in
 /// docs/SECURITY.md, `serde_raw_value_marker_in_seal_metadata_is_refused_cleanly` in
-/// tests/hardening.rs), so the round trips below skip it.
+/// tests/tamper.rs), so the round trips below skip it.
 const RAW_VALUE_MARKER: &str = "$serde_json::private::RawValue";
 
 fuzz_target!(|data: &[u8]| {
@@ -59,7 +59,7 @@ fuzz_target!(|data: &[u8]| {
             .unwrap_or_else(|e| panic!("dumps_sorted wrote invalid JSON ({e}): {dumped:?}"));
         // Numbers within an ulp: serde_json (without its float_roundtrip feature) parses
         // some decimal literals one ulp off, so exact equality is not serde_json's promise.
-        // (docs/SECURITY.md, finding F6; tests/hardening.rs pins it.)
+        // (docs/SECURITY.md, finding F6; tests/secrets.rs pins it.)
         assert!(
             same(&back, v),
             "dumps_sorted round trip: {dumped:?}\n{back:?}\n{v:?}"

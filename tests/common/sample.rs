@@ -1,7 +1,9 @@
 //! A sample checkpoint sealed by the project's own sealer in a temporary directory other
-//! users can reach (mode 0755), and its view as the kernel-free core reads it.
+//! users can reach (mode 0755), its view as the kernel-free core reads it, and [`Fixture`]:
+//! a sample with that view kept, to compare with what a mount serves.
 
 use std::collections::BTreeMap;
+use std::ffi::OsStr;
 use std::fs;
 use std::os::unix::fs::PermissionsExt;
 use std::path::{Path, PathBuf};
@@ -9,6 +11,7 @@ use std::path::{Path, PathBuf};
 use kllm_mount::key::ModelKey;
 use kllm_mount::lock::Version;
 use kllm_mount::sealed::{self, Options};
+use kllm_mount::testkit::{Mnt, Mounted};
 use kllm_mount::testseal;
 use kllm_mount::view::View;
 use tempfile::TempDir;
@@ -46,6 +49,11 @@ impl Sample {
         s
     }
 
+    /// A small sample (64 wide, 2 layers) locked with v2.
+    pub fn small(key: [u8; 32]) -> Sample {
+        Sample::new(key, 64, 2, Some(Version::V2), |_| {})
+    }
+
     pub fn key(&self) -> &ModelKey {
         &self.key
     }
@@ -62,13 +70,63 @@ impl Sample {
         self.root().join("kllm.key")
     }
 
-    /// Every file of the view as the core reads it now (no cache), by path.
-    pub fn view(&self) -> BTreeMap<String, Vec<u8>> {
+    /// The view of the sealed directory as it is now, built by the core (no cache).
+    pub fn open_view(&self) -> kllm_mount::Result<View> {
         let opts = Options {
             cache_bytes: 0,
             ..Options::default()
         };
-        files_of(&sealed::open(&self.sealed(), &self.key, &"test", &opts).unwrap())
+        sealed::open(&self.sealed(), &self.key, &"test", &opts)
+    }
+
+    /// Every file of the view as the core reads it now (no cache), by path: the oracle
+    /// (tests/core_vectors.rs holds the core to the shared vectors).
+    pub fn view(&self) -> BTreeMap<String, Vec<u8>> {
+        files_of(&self.open_view().unwrap())
+    }
+
+    /// [`Mounted::fuse`] of the sealed directory with `--key` and `extra`.
+    pub fn mount_fuse(&self, extra: &[&str]) -> Mounted {
+        let key_file = self.key_file();
+        let mut args: Vec<&OsStr> = vec![OsStr::new("--key"), key_file.as_os_str()];
+        args.extend(extra.iter().map(OsStr::new));
+        Mounted::fuse(&self.sealed(), &args, |_| {})
+    }
+}
+
+/// A sample and its view as sealed, for comparing with what a mount serves.
+pub struct Fixture {
+    pub s: Sample,
+    pub view: BTreeMap<String, Vec<u8>>,
+}
+
+impl Fixture {
+    /// A sample `hidden` wide and `layers` deep, locked with v2, and its view.
+    pub fn new(key: [u8; 32], hidden: usize, layers: usize) -> Fixture {
+        let s = Sample::new(key, hidden, layers, Some(Version::V2), |_| {});
+        let view = s.view();
+        Fixture { s, view }
+    }
+
+    pub fn sealed(&self) -> PathBuf {
+        self.s.sealed()
+    }
+
+    pub fn key_file(&self) -> PathBuf {
+        self.s.key_file()
+    }
+
+    /// A file of the view.
+    pub fn bytes(&self, rel: &str) -> &[u8] {
+        &self.view[rel]
+    }
+
+    /// Every file of the mount, read through the page cache, equals the view.
+    pub fn assert_view(&self, m: &Mnt, label: &str) {
+        for (rel, want) in &self.view {
+            let got = fs::read(m.path(rel)).unwrap_or_else(|e| panic!("{label}: {rel}: {e}"));
+            assert!(&got == want, "{label}: {rel} differs from the view");
+        }
     }
 }
 

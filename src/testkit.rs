@@ -1,19 +1,22 @@
-//! Mounting for real and reading through the kernel, shared by tests/mount.rs,
-//! tests/hardening.rs and examples/kllm-stress.rs (which includes this file by path, so it
-//! may use only what an example can: std, libc, tempfile, no test vectors):
+//! Mounting the binary for real and reading through the kernel: the harness of the
+//! integration tests (through tests/common) and of examples/kllm-stress.rs. Only in builds
+//! with the `seal` feature, beside the sealer.
 //!
 //! - the binary ([`kllm_mount_bin`]) and the mount guard [`Mnt`]: a temporary mount point
 //!   that is unmounted, its daemons ended and removed on drop, even after a panic; it mounts
-//!   in the background ([`Mnt::mount`]) or in the foreground ([`Mnt::start_foreground`]);
-//!   [`run`] and [`stderr_of`] for commands whose refusal is the point;
+//!   in the background ([`Mnt::mount`], [`Mnt::mount_with`]; [`Mounted`] holds the guard and
+//!   its daemon) or in the foreground ([`Mnt::start_foreground`]); [`run`] and [`stderr_of`]
+//!   for commands whose refusal is the point;
 //! - the mount table: [`mount_points`], [`is_mounted`], [`fusermount_u`];
 //! - processes: [`become_subreaper`], [`proc_state`], [`alive`], [`pids_with_arg`],
 //!   [`wait_gone`], [`kill`], [`rss_kib`];
-//! - reading: [`pread`], [`open_direct`], [`drop_page_cache`], and for failures
-//!   [`errno_of`], [`cpath`]; [`copy_tree`] for writable copies of sealed directories;
+//! - reading: [`pread`], [`read_direct`], [`open_direct`], [`drop_page_cache`], [`listing`],
+//!   and for failures [`errno_of`], [`cpath`]; [`copy_tree`] for writable copies of sealed
+//!   directories;
 //! - [`SplitMix`], a small seeded generator.
 
-use std::ffi::{CString, OsString};
+use std::collections::BTreeSet;
+use std::ffi::{CString, OsStr, OsString};
 use std::fs::{self, File, OpenOptions};
 use std::io::{self, Read};
 use std::os::fd::AsRawFd;
@@ -30,12 +33,9 @@ use tempfile::TempDir;
 // Processes
 // ---------------------------------------------------------------------------------------
 
-/// The `kllm-mount` binary: Cargo names it to integration tests; an example finds it next to
-/// its own directory (`target/PROFILE/examples/..`), where Cargo builds both.
+/// The `kllm-mount` binary, which Cargo builds beside the directory of the running test or
+/// example (`target/PROFILE/deps/..`, `target/PROFILE/examples/..`).
 pub fn kllm_mount_bin() -> PathBuf {
-    if let Some(p) = option_env!("CARGO_BIN_EXE_kllm-mount") {
-        return PathBuf::from(p);
-    }
     let exe = std::env::current_exe().expect("current_exe");
     let profile_dir = exe.parent().and_then(Path::parent).expect("target dir");
     profile_dir.join("kllm-mount")
@@ -275,6 +275,20 @@ impl Mnt {
         pid
     }
 
+    /// [`Mnt::mount`] of `kllm-mount SEALED MP ARGS`, after `tweak` changed the command (the
+    /// environment, limits, a wrapper); the daemon's pid.
+    pub fn mount_with<A: AsRef<OsStr>>(
+        &self,
+        sealed: &Path,
+        args: &[A],
+        tweak: impl FnOnce(&mut Command),
+    ) -> i32 {
+        let mut c = self.cmd(sealed);
+        c.args(args);
+        tweak(&mut c);
+        self.mount(c)
+    }
+
     /// Start `kllm-mount SEALED MP -f ARGS` (as [`Mnt::cmd`], with `env` added) as
     /// [`Mnt::child`] and wait until the mount answers: mounted and its root lists a file.
     pub fn start_foreground(&mut self, sealed: &Path, args: &[OsString], env: &[(&str, String)]) {
@@ -338,6 +352,47 @@ impl Drop for Mnt {
     }
 }
 
+/// A background mount and the daemon serving it, in one guard: dropping it unmounts, ends
+/// the daemon and removes the mount point.
+pub struct Mounted {
+    pub mnt: Mnt,
+    pub pid: i32,
+}
+
+impl std::ops::Deref for Mounted {
+    type Target = Mnt;
+    fn deref(&self) -> &Mnt {
+        &self.mnt
+    }
+}
+
+impl Mounted {
+    /// [`Mnt::mount_with`] on a new mount point through FUSE (`--mode fuse`), run in the
+    /// mount's temporary directory (where a core file would land). For tests that hold the
+    /// daemon's own read path to account: exact `O_DIRECT` ranges, files changed while
+    /// mounted, its locked cache.
+    pub fn fuse<A: AsRef<OsStr>>(
+        sealed: &Path,
+        args: &[A],
+        tweak: impl FnOnce(&mut Command),
+    ) -> Mounted {
+        let mnt = Mnt::new();
+        let dir = mnt.mp.parent().unwrap().to_path_buf();
+        let pid = mnt.mount_with(sealed, &[OsStr::new("--mode"), OsStr::new("fuse")], |c| {
+            c.args(args).current_dir(dir);
+            tweak(c);
+        });
+        Mounted { mnt, pid }
+    }
+
+    /// The daemon still runs and the mount still answers.
+    pub fn assert_alive(&self, what: &str) {
+        assert!(alive(self.pid), "{what}: the daemon died");
+        assert!(is_mounted(&self.mp), "{what}: no longer mounted");
+        fs::metadata(&self.mp).unwrap_or_else(|e| panic!("{what}: the mount does not answer: {e}"));
+    }
+}
+
 /// Run `c` to the end with its output captured.
 pub fn run(mut c: Command) -> Output {
     c.stdout(Stdio::piped()).stderr(Stdio::piped());
@@ -387,6 +442,21 @@ pub fn pread(f: &File, off: u64, len: usize) -> io::Result<Vec<u8>> {
     let got = read_full_at(f, &mut buf, off)?;
     buf.truncate(got);
     Ok(buf)
+}
+
+/// What a directory lists (names), through the kernel.
+pub fn listing(dir: &Path) -> BTreeSet<String> {
+    fs::read_dir(dir)
+        .unwrap_or_else(|e| panic!("list {}: {e}", dir.display()))
+        .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
+        .collect()
+}
+
+/// The whole file through the daemon (`O_DIRECT`: no page cache in between).
+pub fn read_direct(path: &Path) -> io::Result<Vec<u8>> {
+    let f = open_direct(path);
+    let len = f.metadata()?.len() as usize;
+    pread(&f, 0, len)
 }
 
 /// `pread` through an `O_DIRECT` descriptor of a file served by passthrough, which follows
@@ -453,7 +523,7 @@ pub fn copy_tree(from: &Path, to: &Path) {
 pub struct SplitMix(pub u64);
 
 impl SplitMix {
-    pub fn next(&mut self) -> u64 {
+    pub fn next_u64(&mut self) -> u64 {
         self.0 = self.0.wrapping_add(0x9E37_79B9_7F4A_7C15);
         let mut z = self.0;
         z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
@@ -466,7 +536,7 @@ impl SplitMix {
         if n == 0 {
             0
         } else {
-            self.next() % n
+            self.next_u64() % n
         }
     }
 

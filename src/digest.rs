@@ -1,0 +1,146 @@
+//! SHA-256 of whole files, read by `pread` with reading and hashing overlapped: the hasher
+//! of the manifest check and of the view's check of a file on first use.
+
+use std::fs::File;
+use std::io;
+use std::os::unix::fs::FileExt;
+use std::path::Path;
+use std::sync::mpsc;
+
+use sha2::{Digest, Sha256};
+
+/// Reads per `pread`: large enough that the syscall cost vanishes next to hashing, small
+/// enough that two buffers per hashing thread stay cheap.
+pub const READ_CHUNK: usize = 4 << 20;
+
+/// Opens a regular file for reading; anything else is refused without blocking (opening a
+/// FIFO would wait for a writer).
+pub fn open_regular(path: &Path) -> io::Result<File> {
+    use std::os::unix::fs::OpenOptionsExt;
+    let file = std::fs::OpenOptions::new()
+        .read(true)
+        .custom_flags(libc::O_NONBLOCK | libc::O_NOCTTY)
+        .open(path)?;
+    if !file.metadata()?.is_file() {
+        return Err(io::Error::other("not a regular file"));
+    }
+    Ok(file)
+}
+
+/// Reads `buf.len()` bytes at `offset`, or fewer at the end of the file.
+fn read_full_at(file: &File, buf: &mut [u8], offset: u64) -> io::Result<usize> {
+    let mut done = 0;
+    while done < buf.len() {
+        match file.read_at(&mut buf[done..], offset + done as u64) {
+            Ok(0) => break,
+            Ok(n) => done += n,
+            Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
+            Err(e) => return Err(e),
+        }
+    }
+    Ok(done)
+}
+
+/// SHA-256 of a whole file from offset 0, by `pread` (the file's position is untouched).
+pub fn sha256_file(file: &File) -> io::Result<[u8; 32]> {
+    sha256_file_counting(file, &|_| {})
+}
+
+/// [`sha256_file`], calling `on_bytes(n)` after each `n` bytes hashed. A file larger than
+/// one [`READ_CHUNK`] is read on a second thread into one buffer while the other is hashed.
+pub fn sha256_file_counting(file: &File, on_bytes: &(dyn Fn(u64) + Sync)) -> io::Result<[u8; 32]> {
+    // SAFETY: advice only; a failure changes nothing but speed.
+    unsafe {
+        use std::os::fd::AsRawFd;
+        libc::posix_fadvise(file.as_raw_fd(), 0, 0, libc::POSIX_FADV_SEQUENTIAL);
+    }
+    let mut hasher = Sha256::new();
+    let mut first = vec![0u8; READ_CHUNK];
+    let n = read_full_at(file, &mut first, 0)?;
+    if n < READ_CHUNK {
+        hasher.update(&first[..n]);
+        on_bytes(n as u64);
+        return Ok(hasher.finalize().into());
+    }
+    let (full_tx, full_rx) = mpsc::sync_channel::<io::Result<(Vec<u8>, usize)>>(1);
+    let (empty_tx, empty_rx) = mpsc::sync_channel::<Vec<u8>>(2);
+    empty_tx.send(vec![0u8; READ_CHUNK]).expect("fresh channel");
+    // `move`: the channel ends live in the scope, so the reader sees a hang-up when it ends.
+    std::thread::scope(move |scope| {
+        scope.spawn(move || {
+            let mut offset = n as u64;
+            // Ends when the hasher hangs up (error or done) or at the end of the file.
+            while let Ok(mut buf) = empty_rx.recv() {
+                let got = read_full_at(file, &mut buf, offset);
+                let last = !matches!(got, Ok(k) if k == READ_CHUNK);
+                if let Ok(k) = got {
+                    offset += k as u64;
+                }
+                if full_tx.send(got.map(|k| (buf, k))).is_err() || last {
+                    break;
+                }
+            }
+        });
+        hasher.update(&first);
+        on_bytes(n as u64);
+        let mut spare = Some(first);
+        loop {
+            if let Some(buf) = spare.take() {
+                // The reader may already be gone after its last chunk.
+                let _ = empty_tx.send(buf);
+            }
+            let (buf, k) = match full_rx.recv() {
+                Ok(r) => r?,
+                Err(_) => break,
+            };
+            hasher.update(&buf[..k]);
+            on_bytes(k as u64);
+            if k < READ_CHUNK {
+                break;
+            }
+            spare = Some(buf);
+        }
+        Ok(hasher.finalize().into())
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::sync::atomic::{AtomicU64, Ordering};
+
+    #[test]
+    fn digest_of_known_files_across_the_double_buffered_path() {
+        let tmp = tempfile::tempdir().unwrap();
+        let empty = tmp.path().join("empty");
+        std::fs::write(&empty, b"").unwrap();
+        assert_eq!(
+            hex::encode(sha256_file(&File::open(&empty).unwrap()).unwrap()),
+            "e3b0c44298fc1c149afbf4c8996fb92427ae41e4649b934ca495991b7852b855"
+        );
+        let abc = tmp.path().join("abc");
+        std::fs::write(&abc, b"abc").unwrap();
+        assert_eq!(
+            hex::encode(sha256_file(&File::open(&abc).unwrap()).unwrap()),
+            "ba7816bf8f01cfea414140de5dae2223b00361a396177a9cb410ff61f20015ad"
+        );
+        // Sizes around the chunk edges take the reader thread; compare with one-shot hashing.
+        for len in [
+            READ_CHUNK,
+            READ_CHUNK + 1,
+            2 * READ_CHUNK,
+            2 * READ_CHUNK + 7,
+        ] {
+            let data: Vec<u8> = (0..len).map(|i| (i * 7 + i / 4099) as u8).collect();
+            let p = tmp.path().join(format!("f{len}"));
+            std::fs::write(&p, &data).unwrap();
+            let counted = AtomicU64::new(0);
+            let got = sha256_file_counting(&File::open(&p).unwrap(), &|n| {
+                counted.fetch_add(n, Ordering::Relaxed);
+            })
+            .unwrap();
+            assert_eq!(got, <[u8; 32]>::from(Sha256::digest(&data)), "len {len}");
+            assert_eq!(counted.load(Ordering::Relaxed), len as u64);
+        }
+    }
+}
