@@ -70,7 +70,7 @@ pub struct Source {
     pub unlock: Box<DecodeFn>,
     /// View bytes of any range, for reads of chunks that failed.
     pub decode: Box<DecodeFn>,
-    pub check: Option<Box<CheckFn>>,
+    pub check: Option<Arc<CheckFn>>,
     pub prefetch: Option<Box<PrefetchFn>>,
 }
 
@@ -191,25 +191,25 @@ impl Fill {
             started: Instant::now(),
             label,
         });
-        if inner.source.check.is_some() {
-            let i = inner.clone();
+        if let Some(check) = inner.source.check.clone() {
+            // Only a weak handle: a fill dropped while the file is hashed frees its memory
+            // without waiting for the hash.
+            let i = Arc::downgrade(&inner);
             spawn("kllm-hash", move || {
-                i.enlist();
-                if let Some(check) = &i.source.check {
-                    let _ = check();
-                }
+                let _enlisted = Inner::enlist(&i);
+                let _ = check();
             })?;
         }
         if inner.source.prefetch.is_some() && len > 0 {
             let i = inner.clone();
             spawn("kllm-prefetch", move || {
-                i.enlist();
+                let _enlisted = Inner::enlist(&Arc::downgrade(&i));
                 i.prefetch();
             })?;
         }
         let i = inner.clone();
         spawn("kllm-fill", move || {
-            i.enlist();
+            let _enlisted = Inner::enlist(&Arc::downgrade(&i));
             i.dispatch();
         })?;
         Ok(Fill { inner })
@@ -236,8 +236,8 @@ impl Fill {
                 format!("{n} of {} bytes at {off}", buf.len()),
             ))),
         };
-        let check: Option<Box<CheckFn>> = match node.integrity {
-            Some(_) => Some(Box::new(move || c.verify(ino))),
+        let check: Option<Arc<CheckFn>> = match node.integrity {
+            Some(_) => Some(Arc::new(move || c.verify(ino))),
             None => None,
         };
         let sealed = match view.sealed_file(ino) {
@@ -381,16 +381,37 @@ impl Drop for Fill {
     }
 }
 
+/// A thread working for a fill, reniced with it until the thread ends (a thread id is
+/// reused once its thread is gone, so it must not stay on the list).
+struct Enlisted {
+    inner: std::sync::Weak<Inner>,
+    tid: libc::pid_t,
+}
+
+impl Drop for Enlisted {
+    fn drop(&mut self) {
+        if let Some(i) = self.inner.upgrade() {
+            i.state.lock().tids.retain(|&t| t != self.tid);
+        }
+    }
+}
+
 impl Inner {
-    /// Record the calling thread as working for this fill, at its priority.
-    fn enlist(&self) {
+    /// Record the calling thread as working for the fill, at its priority.
+    fn enlist(inner: &std::sync::Weak<Inner>) -> Enlisted {
         // SAFETY: gettid has no preconditions.
         let tid = unsafe { libc::gettid() };
-        let mut s = self.state.lock();
-        if s.priority == Priority::Ahead {
-            renice(tid, AHEAD_NICE);
+        if let Some(i) = inner.upgrade() {
+            let mut s = i.state.lock();
+            if s.priority == Priority::Ahead {
+                renice(tid, AHEAD_NICE);
+            }
+            s.tids.push(tid);
         }
-        s.tids.push(tid);
+        Enlisted {
+            inner: inner.clone(),
+            tid,
+        }
     }
 
     fn urge(&self, s: &mut State) {
@@ -750,7 +771,7 @@ mod tests {
     /// A source whose chunks are made by `decode` alone (nothing to fetch).
     fn with(
         decode: impl Fn(u64, &mut [u8]) -> Result<(), ReadError> + Send + Sync + 'static,
-        check: Option<Box<CheckFn>>,
+        check: Option<Arc<CheckFn>>,
         prefetch: Option<Box<PrefetchFn>>,
     ) -> Source {
         let d = Arc::new(decode);
@@ -864,7 +885,7 @@ mod tests {
             c.store(true, Ordering::SeqCst);
             Ok(())
         };
-        let src = with(decode_ok, Some(Box::new(check)), None);
+        let src = with(decode_ok, Some(Arc::new(check)), None);
         let f = start(2 * CHUNK, src, Priority::Demand);
         let mut out = vec![0u8; 16];
         // The check runs once on its thread; a reader's call here stands in for the
@@ -874,7 +895,7 @@ mod tests {
         assert!(checked.load(Ordering::SeqCst));
 
         let altered = || Err(ReadError::Unverified("altered".into()));
-        let bad = with(decode_ok, Some(Box::new(altered)), None);
+        let bad = with(decode_ok, Some(Arc::new(altered)), None);
         let f = start(2 * CHUNK, bad, Priority::Demand);
         assert!(matches!(f.read(0, &mut out), Err(ReadError::Unverified(_))));
         assert!(f.wait_complete(Duration::from_secs(30)).is_none());

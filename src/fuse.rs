@@ -39,6 +39,8 @@ pub struct KllmFs {
     view: Arc<View>,
     opens: Opens<BackingId>,
     on_destroy: Option<OnDestroy>,
+    /// The kernel maps files opened with `FOPEN_DIRECT_IO` (`FUSE_DIRECT_IO_ALLOW_MMAP`).
+    direct_io_mmap: bool,
 }
 
 impl KllmFs {
@@ -48,6 +50,7 @@ impl KllmFs {
             opens: Opens::new(view.clone(), mode, copies),
             view,
             on_destroy: None,
+            direct_io_mmap: false,
         }
     }
 
@@ -114,6 +117,13 @@ impl Filesystem for KllmFs {
                     return Err(std::io::Error::other(why));
                 }
             }
+            self.direct_io_mmap = config
+                .add_capabilities(InitFlags::FUSE_DIRECT_IO_ALLOW_MMAP)
+                .is_ok();
+            log::debug!(
+                "reads of copies still filling bypass the page cache: {}",
+                self.direct_io_mmap
+            );
         }
         mode.log();
         self.opens.start_background();
@@ -168,6 +178,14 @@ impl Filesystem for KllmFs {
             Opened::Passthrough { fh, id } => {
                 reply.opened_passthrough(FileHandle(fh), FopenFlags::empty(), &id)
             }
+            // A file served from its decoded copy while the copy fills: reads go straight
+            // to the copy, not through the page cache (no second copy of the shard in
+            // fresh pages, nothing to drop when the next open gets passthrough); a mapping
+            // still goes through the page cache.
+            Opened::Fuse { fh, fill: Some(_) } if self.direct_io_mmap => reply.opened(
+                FileHandle(fh),
+                FopenFlags::FOPEN_DIRECT_IO | FopenFlags::FOPEN_KEEP_CACHE,
+            ),
             // The view is immutable: pages the kernel cached stay valid across opens.
             Opened::Fuse { fh, .. } => reply.opened(FileHandle(fh), FopenFlags::FOPEN_KEEP_CACHE),
         }

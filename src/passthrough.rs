@@ -16,7 +16,7 @@ use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use parking_lot::Mutex;
+use parking_lot::{Condvar, Mutex};
 
 use crate::fill::{Fill, Priority};
 use crate::memfs::{MemoryFile, MemoryFs};
@@ -449,7 +449,18 @@ impl<B> InodeOpens<B> {
     }
 }
 
-type Inode<B> = Arc<Mutex<InodeOpens<B>>>;
+/// An inode's handles, and a signal for opens waiting for its FUSE handles to close.
+struct InodeSlot<B> {
+    state: Mutex<InodeOpens<B>>,
+    released: Condvar,
+}
+
+type Inode<B> = Arc<InodeSlot<B>>;
+
+/// How long an open of a file whose copy is complete waits for the inode's FUSE handles to
+/// go: the kernel sends RELEASE after `close` returns, so a reopen right after a close
+/// would otherwise find the inode still open through the page cache.
+const RELEASE_WAIT: Duration = Duration::from_millis(20);
 
 struct Handle {
     ino: Ino,
@@ -491,15 +502,18 @@ impl<B> OpenTable<B> {
             .lock()
             .entry(ino)
             .or_insert_with(|| {
-                Arc::new(Mutex::new(InodeOpens {
-                    passthrough: 0,
-                    fuse: 0,
-                    backing: None,
-                    fill: None,
-                    idle_since: None,
-                    ahead: None,
-                    opened: false,
-                }))
+                Arc::new(InodeSlot {
+                    released: Condvar::new(),
+                    state: Mutex::new(InodeOpens {
+                        passthrough: 0,
+                        fuse: 0,
+                        backing: None,
+                        fill: None,
+                        idle_since: None,
+                        ahead: None,
+                        opened: false,
+                    }),
+                })
             })
             .clone()
     }
@@ -535,7 +549,7 @@ impl<B> OpenTable<B> {
     /// kernel can be handed).
     pub fn open_fuse(&self, ino: Ino) -> u64 {
         let inode = self.inode(ino);
-        let mut state = inode.lock();
+        let mut state = inode.state.lock();
         state.idle_since = None;
         self.fuse(ino, &mut state).fh()
     }
@@ -545,7 +559,7 @@ impl<B> OpenTable<B> {
     /// inode is open through the page cache or `make` gives none.
     pub fn open_direct(&self, ino: Ino, make: impl FnOnce() -> Option<Backing<B>>) -> Opened<B> {
         let inode = self.inode(ino);
-        let mut state = inode.lock();
+        let mut state = inode.state.lock();
         state.idle_since = None;
         if state.fuse == 0 {
             if let Some(b) = &state.backing {
@@ -578,9 +592,14 @@ impl<B> OpenTable<B> {
         make: impl FnOnce(&Arc<MemoryFile>) -> Option<Backing<B>>,
     ) -> Opened<B> {
         let inode = self.inode(ino);
-        let mut state = inode.lock();
+        let mut state = inode.state.lock();
         state.idle_since = None;
         state.ahead = None;
+        let complete = state.fill.as_ref().is_some_and(|f| f.complete().is_some());
+        if state.fuse > 0 && complete {
+            let deadline = Instant::now() + RELEASE_WAIT;
+            while state.fuse > 0 && !inode.released.wait_until(&mut state, deadline).timed_out() {}
+        }
         if state.fuse > 0 {
             return self.fuse(ino, &mut state);
         }
@@ -616,7 +635,7 @@ impl<B> OpenTable<B> {
         start: impl FnOnce() -> Option<Arc<Fill>>,
     ) -> Ahead {
         let inode = self.inode(ino);
-        let mut state = inode.lock();
+        let mut state = inode.state.lock();
         if state.opened || state.fill.is_some() {
             return Ahead::Skipped;
         }
@@ -641,7 +660,7 @@ impl<B> OpenTable<B> {
     pub fn release(&self, fh: u64) -> Option<(Ino, OpenMode)> {
         let Handle { ino, mode, .. } = self.handles.lock().remove(&fh)?;
         let inode = self.inode(ino);
-        let mut state = inode.lock();
+        let mut state = inode.state.lock();
         match mode {
             OpenMode::Fuse => state.fuse = state.fuse.saturating_sub(1),
             OpenMode::Passthrough => {
@@ -654,6 +673,7 @@ impl<B> OpenTable<B> {
         if !state.is_open() {
             state.idle_since = Some(Instant::now());
         }
+        inode.released.notify_all();
         Some((ino, mode))
     }
 
@@ -687,7 +707,7 @@ impl<B> OpenTable<B> {
             .into_iter()
             .filter_map(|i| {
                 let key = {
-                    let s = i.try_lock()?;
+                    let s = i.state.try_lock()?;
                     if s.is_open() || s.fill.is_none() {
                         return None;
                     }
@@ -702,7 +722,9 @@ impl<B> OpenTable<B> {
             if freed >= need {
                 break;
             }
-            let Some(mut s) = i.try_lock() else { continue };
+            let Some(mut s) = i.state.try_lock() else {
+                continue;
+            };
             if s.is_open() {
                 continue;
             }
@@ -731,7 +753,7 @@ impl<B> OpenTable<B> {
         inodes
             .iter()
             .filter_map(|i| {
-                let s = i.lock();
+                let s = i.state.lock();
                 (!s.is_open()).then(|| s.fill.as_ref().map_or(0, |f| f.len()))
             })
             .sum()
@@ -1070,6 +1092,34 @@ mod tests {
     }
 
     #[test]
+    fn a_reopen_racing_the_release_of_the_last_fuse_handle_gets_passthrough() {
+        let t = Arc::new(OpenTable::new(Duration::from_secs(60)));
+        let live = Arc::new(AtomicUsize::new(0));
+        let a = t.open_copy(
+            11,
+            &WAIT,
+            || Some(fill(4 * CHUNK, Duration::from_millis(20))),
+            backed(&live),
+        );
+        let Opened::Fuse { fill: Some(f), .. } = &a else {
+            panic!("a slow copy was not served through FUSE");
+        };
+        assert!(f.wait_complete(Duration::from_secs(30)).is_some());
+        // The kernel's RELEASE of the first handle arrives just after the next open.
+        let (t2, fh) = (t.clone(), a.fh());
+        let late = std::thread::spawn(move || {
+            std::thread::sleep(Duration::from_millis(5));
+            t2.release(fh);
+        });
+        let b = t.open_copy(11, &WAIT, || panic!("decoded twice"), backed(&live));
+        late.join().unwrap();
+        assert!(
+            matches!(b, Opened::Passthrough { .. }),
+            "the reopen stayed in FUSE"
+        );
+    }
+
+    #[test]
     fn copies_outlive_the_last_close_by_the_grace_period() {
         let t = OpenTable::new(Duration::from_secs(60));
         let live = Arc::new(AtomicUsize::new(0));
@@ -1125,7 +1175,7 @@ mod tests {
         t.release(a.fh());
         // The closed copy goes first, then the farthest ahead (22).
         assert_eq!(t.make_room(1), CHUNK);
-        let kept = |ino| t.inode(ino).lock().fill.is_some();
+        let kept = |ino| t.inode(ino).state.lock().fill.is_some();
         assert!(!kept(30) && kept(20) && kept(21) && kept(22));
         assert_eq!(t.make_room(CHUNK + 1), 2 * CHUNK);
         assert!(kept(20) && !kept(21) && !kept(22));

@@ -88,6 +88,8 @@ fn one_decode_for_many_readers_shared_across_processes() {
     for mut r in readers {
         assert!(r.wait().unwrap().success(), "a reader saw other bytes");
     }
+    // Readers served while the copy filled may finish before its last step is logged.
+    wait_for(|| decodes_of(&log, BIG) >= 1);
     assert_eq!(decodes_of(&log, BIG), 1, "decoded more than once");
 
     // mmap through passthrough, while the others are gone.
@@ -127,11 +129,13 @@ fn closed_shards_are_kept_for_the_grace_period() {
     for _ in 0..3 {
         assert!(fs::read(m.path(BIG)).unwrap() == s.bytes(BIG));
     }
+    wait_for(|| decodes_of(&log, BIG) >= 1);
     assert_eq!(decodes_of(&log, BIG), 1, "a kept shard was decoded again");
     // After the grace period the copy is let go, and the next open decodes again.
     std::thread::sleep(Duration::from_secs(5));
     assert!(fs::read(m.path(BIG)).unwrap() == s.bytes(BIG));
-    assert_eq!(decodes_of(&log, BIG), 2, "kept past the grace period");
+    // The reader may finish before the copy's last step is logged.
+    wait_for(|| decodes_of(&log, BIG) == 2);
 }
 
 /// Retry `f` for up to 5 s: a release reaches the daemon shortly after the close.
@@ -170,6 +174,7 @@ fn over_budget_opens_fall_back_to_fuse() {
         &["--mode", "passthrough", "--passthrough-memory", "1M"],
     );
     s.assert_view(&m, "--passthrough-memory 1M");
+    wait_for(|| decodes_of(&log, SMALL) >= 1);
     assert_eq!(decodes_of(&log, SMALL), 1, "the small shard fits");
     assert_eq!(decodes_of(&log, BIG), 0);
     let full = log_lines(
