@@ -226,15 +226,26 @@ pub fn read(path: &Path, key: &ModelKey) -> Result<SecretFiles> {
 /// The bytes of `trusted.kllm`, bounded before they are read.
 pub fn read_bytes(path: &Path) -> Result<Vec<u8>> {
     let meta = std::fs::metadata(path).map_err(|e| bad(path, format!("cannot be read ({e})")))?;
-    // Bound memory before reading: the header's chunk size is checked in parse_header, and
-    // a file far past 1 GiB holds no tokenizer.
-    if meta.len() > 4 << 30 {
+    check_len(path, meta.len())?;
+    std::fs::read(path).map_err(|e| bad(path, format!("cannot be read ({e})")))
+}
+
+/// [`read_bytes`] from a source's object; `path` names it in errors.
+pub fn read_object(path: &Path, object: &dyn crate::source::Object) -> Result<Vec<u8>> {
+    check_len(path, object.len())?;
+    crate::source::read_all(object).map_err(|e| bad(path, format!("cannot be read ({e})")))
+}
+
+/// Bound memory before reading: the header's chunk size is checked in parse_header, and a
+/// file far past 1 GiB holds no tokenizer.
+fn check_len(path: &Path, len: u64) -> Result<()> {
+    if len > 4 << 30 {
         return Err(bad(
             path,
             "is larger than 4 GiB; refusing to decrypt it into memory",
         ));
     }
-    std::fs::read(path).map_err(|e| bad(path, format!("cannot be read ({e})")))
+    Ok(())
 }
 
 /// Seal `payload` as kLLM does (used by the test sealer).

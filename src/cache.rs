@@ -10,6 +10,7 @@ use std::sync::Arc;
 use lru::LruCache;
 use parking_lot::Mutex;
 
+use crate::ranges::{self, Piece};
 use crate::secmem::SecureBuf;
 use crate::shard::{RawReader, Shard};
 use crate::ReadError;
@@ -84,22 +85,14 @@ impl BlockCache {
         let (mut hits, mut misses) = (0, 0);
         let bs = self.block_size;
         let end = off + out.len() as u64;
-        let mut pos = off;
-        while pos < end {
-            let block = pos / bs;
+        let cut = ranges::cut(off, end, bs, shard.file_len);
+        let whole = cut.whole_bytes(bs, shard.file_len);
+        if !whole.is_empty() {
+            let at = (whole.start - off) as usize..(whole.end - off) as usize;
+            shard.read(whole.start, &mut out[at], raw)?;
+        }
+        for Piece { block, bytes } in [cut.head, cut.tail].into_iter().flatten() {
             let b_start = block * bs;
-            let b_end = (b_start + bs).min(shard.file_len);
-            if pos == b_start && end >= b_end {
-                let whole_end = b_start + (end - b_start) / bs * bs;
-                let upto = whole_end.max(b_end).min(end);
-                shard.read(
-                    pos,
-                    &mut out[(pos - off) as usize..(upto - off) as usize],
-                    raw,
-                )?;
-                pos = upto;
-                continue;
-            }
             let data = match self.get(file, block) {
                 Some(d) => {
                     hits += 1;
@@ -107,6 +100,7 @@ impl BlockCache {
                 }
                 None => {
                     misses += 1;
+                    let b_end = (b_start + bs).min(shard.file_len);
                     let mut buf = SecureBuf::new((b_end - b_start) as usize)?;
                     if let Err(e) = shard.read(b_start, &mut buf, raw) {
                         // A bad value elsewhere in the block must not fail this read: serve
@@ -119,10 +113,9 @@ impl BlockCache {
                     d
                 }
             };
-            let upto = end.min(b_end);
-            out[(pos - off) as usize..(upto - off) as usize]
-                .copy_from_slice(&data[(pos - b_start) as usize..(upto - b_start) as usize]);
-            pos = upto;
+            out[(bytes.start - off) as usize..(bytes.end - off) as usize].copy_from_slice(
+                &data[(bytes.start - b_start) as usize..(bytes.end - b_start) as usize],
+            );
         }
         Ok((hits, misses))
     }

@@ -90,3 +90,14 @@ impl From<std::io::Error> for ReadError {
         ReadError::Io(e)
     }
 }
+
+/// For readers that speak `io` (a shard's raw reader, hashing): the why is kept.
+impl From<ReadError> for std::io::Error {
+    fn from(e: ReadError) -> Self {
+        match e {
+            ReadError::Io(e) => e,
+            ReadError::NotFound => std::io::ErrorKind::NotFound.into(),
+            other => std::io::Error::other(other.to_string()),
+        }
+    }
+}

@@ -240,21 +240,33 @@ impl Fill {
             Some(_) => Some(Arc::new(move || c.verify(ino))),
             None => None,
         };
-        let sealed = match view.sealed_file(ino) {
-            Ok(Some(f)) => Some(SealedReader::new(f)?),
-            Ok(None) => None,
-            Err(e) => return Err(io::Error::other(e.to_string())),
+        let object = view
+            .sealed_object(ino)
+            .map_err(|e| io::Error::other(e.to_string()))?
+            .cloned();
+        // A local sealed file is read with O_DIRECT where it helps (`SealedReader`); any
+        // other source by its own ranged reads.
+        let local = match &object {
+            Some(o) => match o
+                .local_file()
+                .map_err(|e| io::Error::other(e.to_string()))?
+            {
+                Some(f) => Some(SealedReader::new(f)?),
+                None => None,
+            },
+            None => None,
         };
         // Without O_DIRECT the page cache brings the sealed bytes: ask for them ahead.
-        let prefetch: Option<Box<PrefetchFn>> = match &sealed {
+        let prefetch: Option<Box<PrefetchFn>> = match &local {
             Some(r) if r.direct.is_none() => {
                 Some(Box::new(move |off, len| p.will_read(ino, off, len)))
             }
             _ => None,
         };
-        let fetch = move |off: u64, buf: &mut [u8]| match &sealed {
-            Some(r) => r.read(off, buf),
-            None => Ok(()),
+        let fetch = move |off: u64, buf: &mut [u8]| match (&local, &object) {
+            (Some(r), _) => r.read(off, buf),
+            (None, Some(o)) => crate::source::raw_read(&**o, off, buf),
+            (None, None) => Ok(()),
         };
         let source = Source {
             fetch: Box::new(fetch),

@@ -20,9 +20,11 @@ pub mod cli;
 pub mod daemon;
 pub mod fuse;
 pub mod manifest;
+pub mod ranges;
 pub mod sealed;
 pub mod secmem;
 pub mod shard;
+pub mod source;
 pub mod status;
 #[cfg(feature = "seal")]
 pub mod testkit;

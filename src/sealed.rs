@@ -1,11 +1,8 @@
 //! Recognize a sealed directory and build its unlocked view.
 
-use std::collections::{BTreeMap, HashSet};
+use std::collections::{BTreeMap, HashMap};
 use std::ffi::OsString;
-use std::fs::{self, File, Metadata};
-use std::os::unix::fs::MetadataExt;
 use std::path::{Path, PathBuf};
-use std::time::{Duration, UNIX_EPOCH};
 
 use serde_json::Value;
 use sha2::{Digest, Sha256};
@@ -15,11 +12,13 @@ use crate::blob;
 use crate::cache::BlockCache;
 use crate::key::{ModelKey, SHIPPED_KEY};
 use crate::lock::Version;
+use crate::lock::LOCK_META;
 use crate::manifest::{self, Manifest};
 use crate::metrics::Stats;
 use crate::pyjson;
-use crate::shard::{Shard, LOCK_META};
-use crate::view::{Attr, Content, Ino, Integrity, Kind, Node, Stamp, View, ROOT};
+use crate::shard::Shard;
+use crate::source::{self, Entry, LocalDir, Source};
+use crate::view::{Attr, Content, Ino, Integrity, Kind, Node, View, ROOT};
 use crate::{Error, Result};
 
 /// Pipelines keep their seal metadata here; LLMs in the `kllm` object of `config.json`.
@@ -43,43 +42,55 @@ pub struct Seal {
     pub lock: Option<Version>,
 }
 
-fn read_json_object(path: &Path) -> Result<(String, serde_json::Map<String, Value>)> {
+/// A JSON object file of the source: where messages place it, its text, its members.
+fn read_json_object(
+    source: &dyn Source,
+    entry: &Entry,
+) -> Result<(PathBuf, String, serde_json::Map<String, Value>)> {
+    let path = source.at(&entry.path);
+    let cannot = |e: &dyn std::fmt::Display| Error::at(&path, format!("cannot read ({e})"));
+    let object = source.open(&entry.content_path)?;
+    let bytes = source::read_all(&*object).map_err(|e| cannot(&std::io::Error::from(e)))?;
     let text =
-        fs::read_to_string(path).map_err(|e| Error::at(path, format!("cannot read ({e})")))?;
+        String::from_utf8(bytes).map_err(|_| cannot(&"stream did not contain valid UTF-8"))?;
     match serde_json::from_str(&text) {
-        Ok(Value::Object(m)) => Ok((text, m)),
-        Ok(_) => Err(Error::at(path, "is not a JSON object")),
-        Err(e) => Err(Error::at(path, format!("is not valid JSON ({e})"))),
+        Ok(Value::Object(m)) => Ok((path, text, m)),
+        Ok(_) => Err(Error::at(&path, "is not a JSON object")),
+        Err(e) => Err(Error::at(&path, format!("is not valid JSON ({e})"))),
     }
 }
 
-impl Seal {
-    /// Read the seal metadata of `root`, refusing what this mount cannot serve.
-    pub fn read(root: &Path) -> Result<Seal> {
-        if !root.is_dir() {
-            return Err(Error::at(root, "is not a directory"));
-        }
-        let pipeline_meta = root.join(PIPELINE_META);
-        let llm_meta = root.join(LLM_META);
-        let (meta_file, meta_text, pipeline, meta) = if pipeline_meta.is_file() {
-            let (text, doc) = read_json_object(&pipeline_meta)?;
-            (pipeline_meta, text, true, doc)
-        } else if llm_meta.is_file() {
-            let (text, doc) = read_json_object(&llm_meta)?;
-            match doc.get("kllm") {
-                Some(Value::Object(k)) => (llm_meta, text, false, k.clone()),
-                _ => {
-                    return Err(Error::at(
-                        root,
-                        "is not a sealed kLLM directory: config.json has no \"kllm\" seal metadata and there is no kllm.json",
-                    ))
-                }
+/// The seal metadata file of a source, if there is one: `kllm.json`, else `config.json`.
+fn meta_entry(source: &dyn Source) -> Result<Option<(Entry, bool)>> {
+    for (name, pipeline) in [(PIPELINE_META, true), (LLM_META, false)] {
+        if let Some(e) = source.stat(Path::new(name))? {
+            if e.attr.kind == Kind::File {
+                return Ok(Some((e, pipeline)));
             }
-        } else {
-            return Err(Error::at(
-                root,
-                "is not a sealed kLLM directory: no kllm.json and no config.json with \"kllm\" seal metadata",
-            ));
+        }
+    }
+    Ok(None)
+}
+
+impl Seal {
+    /// Read the seal metadata of the directory `root`, refusing what this mount cannot serve.
+    pub fn read(root: &Path) -> Result<Seal> {
+        Seal::from_source(&LocalDir::new(root)?)
+    }
+
+    /// [`Seal::read`] of any source.
+    pub fn from_source(source: &dyn Source) -> Result<Seal> {
+        const NO_META: &str = "is not a sealed kLLM directory: no kllm.json and no config.json with \"kllm\" seal metadata";
+        const NO_KLLM: &str = "is not a sealed kLLM directory: config.json has no \"kllm\" seal metadata and there is no kllm.json";
+        let root = source.at(Path::new(""));
+        let Some((entry, pipeline)) = meta_entry(source)? else {
+            return Err(Error::at(&root, NO_META));
+        };
+        let (meta_file, meta_text, doc) = read_json_object(source, &entry)?;
+        let meta = match (pipeline, doc.get("kllm")) {
+            (true, _) => doc,
+            (false, Some(Value::Object(k))) => k.clone(),
+            (false, _) => return Err(Error::at(&root, NO_KLLM)),
         };
         let text_field = |name: &str| -> Result<String> {
             meta.get(name)
@@ -104,20 +115,24 @@ impl Seal {
             Some(Value::String(v)) => Some(Version::parse(v).ok_or_else(|| {
                 Error::at(
                     &meta_file,
-                    format!("lock version {v} is not supported (this kllm-mount reads v1 and v2)"),
+                    format!(
+                        "lock version {v} is not supported (this kllm-mount reads {})",
+                        Version::supported_text()
+                    ),
                 )
             })?),
             Some(other) => {
                 return Err(Error::at(
                     &meta_file,
                     format!(
-                        "lock version {other} is not supported (this kllm-mount reads v1 and v2)"
+                        "lock version {other} is not supported (this kllm-mount reads {})",
+                        Version::supported_text()
                     ),
                 ))
             }
         };
         Ok(Seal {
-            root: root.to_path_buf(),
+            root,
             meta_file,
             meta_text,
             pipeline,
@@ -166,26 +181,6 @@ pub fn is_lockable(rel: &Path) -> bool {
     rel.extension().is_some_and(|e| e == "safetensors")
         && parts.first().is_some_and(|p| !UNLOCKED_DIRS.contains(p))
         && !parts.contains(&".cache")
-}
-
-fn attr_of(meta: &Metadata, kind: Kind, size: u64) -> Attr {
-    let t = |secs: i64, nsecs: i64| {
-        if secs >= 0 {
-            UNIX_EPOCH + Duration::new(secs as u64, nsecs as u32)
-        } else {
-            UNIX_EPOCH
-        }
-    };
-    Attr {
-        kind,
-        size,
-        perm: (meta.mode() & 0o7777) as u16,
-        uid: meta.uid(),
-        gid: meta.gid(),
-        atime: t(meta.atime(), meta.atime_nsec()),
-        mtime: t(meta.mtime(), meta.mtime_nsec()),
-        ctime: t(meta.ctime(), meta.ctime_nsec()),
-    }
 }
 
 /// Nodes under construction: children kept by name until the tree is frozen.
@@ -288,16 +283,27 @@ pub fn open(
     key_source: &dyn std::fmt::Display,
     opts: &Options,
 ) -> Result<View> {
-    let seal = Seal::read(root)?;
+    open_source(&LocalDir::new(root)?, key, key_source, opts)
+}
+
+/// [`open`] of a sealed directory in any source.
+pub fn open_source(
+    source: &dyn Source,
+    key: &ModelKey,
+    key_source: &dyn std::fmt::Display,
+    opts: &Options,
+) -> Result<View> {
+    let seal = Seal::from_source(source)?;
     seal.check_key(key, key_source)?;
-    let manifest = load_manifest(root, opts)?;
-    let view = build(&seal, key, opts, manifest.as_ref())?;
+    let listing = Listing::new(source.list()?);
+    let manifest = load_manifest(source, &listing, opts)?;
+    let view = build(&seal, source, &listing, key, opts, manifest.as_ref())?;
     if manifest.is_some() && opts.verify == Verify::Mount {
         verify_now(&view)?;
     }
     log::info!(
         "{}: {} nodes, lock {}, cache {} bytes, manifest {}",
-        root.display(),
+        source.describe(),
         view.len(),
         seal.lock.map_or("none", |v| v.label()),
         view.cache().capacity_bytes(),
@@ -308,51 +314,97 @@ pub fn open(
     Ok(view)
 }
 
+/// A source's listing, looked up by the path the view shows.
+struct Listing {
+    entries: Vec<Entry>,
+    index: HashMap<PathBuf, usize>,
+}
+
+impl Listing {
+    fn new(entries: Vec<Entry>) -> Listing {
+        let index = entries
+            .iter()
+            .enumerate()
+            .map(|(i, e)| (e.path.clone(), i))
+            .collect();
+        Listing { entries, index }
+    }
+
+    fn get(&self, rel: &Path) -> Option<&Entry> {
+        self.index.get(rel).map(|&i| &self.entries[i])
+    }
+}
+
 /// The manifest to check files against: `--manifest`, else the sealed directory's own,
 /// pinned to `--manifest-sha256` when given. Every file it lists must exist.
-fn load_manifest(root: &Path, opts: &Options) -> Result<Option<Manifest>> {
+fn load_manifest(
+    source: &dyn Source,
+    listing: &Listing,
+    opts: &Options,
+) -> Result<Option<Manifest>> {
     if opts.verify == Verify::Off {
         return Ok(None);
     }
-    let path = match &opts.manifest {
-        Some(p) => Some(p.clone()),
-        None => Some(root.join(manifest::FILE_NAME)).filter(|p| p.exists()),
-    };
-    let Some(path) = path else {
-        if opts.manifest_sha256.is_some() {
-            return Err(Error::at(
-                root,
-                format!(
-                    "--manifest-sha256 is given, but there is no {} (give --manifest FILE)",
-                    manifest::FILE_NAME
-                ),
-            ));
+    let manifest = match (&opts.manifest, listing.get(Path::new(manifest::FILE_NAME))) {
+        (Some(p), _) => Manifest::load(p)?,
+        (None, Some(entry)) => read_manifest(source, entry)?,
+        (None, None) => {
+            if opts.manifest_sha256.is_some() {
+                return Err(Error::at(
+                    &source.at(Path::new("")),
+                    format!(
+                        "--manifest-sha256 is given, but there is no {} (give --manifest FILE)",
+                        manifest::FILE_NAME
+                    ),
+                ));
+            }
+            return Ok(None);
         }
-        return Ok(None);
     };
-    let manifest = Manifest::load(&path)?;
     if let Some(pin) = &opts.manifest_sha256 {
         manifest.check_pin(pin)?;
     }
+    let path = manifest.path();
     for (rel, _) in manifest.files() {
-        let p = root.join(rel);
-        match fs::metadata(&p) {
-            Ok(m) if m.is_file() => {}
-            Ok(_) => {
+        let p = source.at(Path::new(rel));
+        match listing.get(Path::new(rel)) {
+            Some(e) if e.attr.kind == Kind::File => {}
+            Some(_) => {
                 return Err(Error::at(
                     &p,
                     format!("is listed in {} but is not a file", path.display()),
                 ))
             }
-            Err(e) => {
+            None => {
                 return Err(Error::at(
                     &p,
-                    format!("is listed in {} but missing ({e})", path.display()),
+                    format!("is listed in {} but missing (not found)", path.display()),
                 ))
             }
         }
     }
     Ok(Some(manifest))
+}
+
+/// The sealed directory's own manifest, bounded before it is read.
+fn read_manifest(source: &dyn Source, entry: &Entry) -> Result<Manifest> {
+    let path = source.at(&entry.path);
+    if entry.attr.kind != Kind::File {
+        return Err(Error::at(&path, "not a regular file"));
+    }
+    let object = source.open(&entry.content_path)?;
+    if object.len() > crate::manifest::MAX_BYTES {
+        return Err(Error::at(
+            &path,
+            format!(
+                "{} bytes is larger than any kLLM manifest (at most {} MiB)",
+                object.len(),
+                crate::manifest::MAX_BYTES >> 20
+            ),
+        ));
+    }
+    let bytes = source::read_all(&*object).map_err(|e| Error::at(&path, e))?;
+    Manifest::parse(&path, &bytes)
 }
 
 /// `--verify mount`: hash every file under the manifest on all cores, and refuse the mount
@@ -393,31 +445,58 @@ fn verify_now(view: &View) -> Result<()> {
 
 /// The view of a sealed directory whose key was checked. Reads the seal metadata, every
 /// lockable shard's header and `trusted.kllm`; tensor data is left for reads.
-fn build(seal: &Seal, key: &ModelKey, opts: &Options, manifest: Option<&Manifest>) -> Result<View> {
-    let root = &seal.root;
-    let canon_root =
-        fs::canonicalize(root).map_err(|e| Error::at(root, format!("cannot resolve ({e})")))?;
-    let root_meta =
-        fs::metadata(root).map_err(|e| Error::at(root, format!("cannot stat ({e})")))?;
-    let mut walker = Walker {
-        seal,
-        key,
-        manifest,
-        visited: HashSet::from([canon_root.clone()]),
-        canon_root,
-        b: Builder {
-            nodes: Vec::new(),
-            children: Vec::new(),
-        },
+fn build(
+    seal: &Seal,
+    source: &dyn Source,
+    listing: &Listing,
+    key: &ModelKey,
+    opts: &Options,
+    manifest: Option<&Manifest>,
+) -> Result<View> {
+    let mut b = Builder {
+        nodes: Vec::new(),
+        children: Vec::new(),
     };
-    walker.b.add(
-        ROOT,
-        OsString::new(),
-        attr_of(&root_meta, Kind::Dir, 0),
-        Content::Dir(Vec::new()),
-    );
-    walker.walk(root, Path::new(""), ROOT)?;
-    let mut b = walker.b;
+    // Shown folders by path: an entry is shown only under a shown folder.
+    let mut dirs: HashMap<&Path, Ino> = HashMap::new();
+    for entry in &listing.entries {
+        let path = entry.path.as_path();
+        let Some(name) = path.file_name() else {
+            let ino = b.add(ROOT, OsString::new(), entry.attr, Content::Dir(Vec::new()));
+            dirs.insert(path, ino);
+            continue;
+        };
+        let Some(&parent) = path.parent().and_then(|p| dirs.get(p)) else {
+            continue;
+        };
+        // A link to a hidden file hides it too.
+        if hidden(path) || hidden(&entry.content_path) {
+            continue;
+        }
+        let name = name.to_os_string();
+        if entry.attr.kind == Kind::Dir {
+            let ino = b.add(parent, name, entry.attr, Content::Dir(Vec::new()));
+            dirs.insert(path, ino);
+            continue;
+        }
+        let integrity = match manifest {
+            None => None,
+            Some(m) => {
+                let listed_as = manifest_path(path);
+                let Some(want) = m.digest(&listed_as) else {
+                    log::warn!(
+                        "{}: not in the manifest; not shown",
+                        source.at(path).display()
+                    );
+                    continue;
+                };
+                Some(Integrity::new(listed_as, want))
+            }
+        };
+        let content = file_content(seal, key, source, entry)?;
+        let ino = b.add(parent, name, entry.attr, content);
+        b.nodes[ino as usize - 1].integrity = integrity;
+    }
 
     // The metadata file without its lock flag, checked as the bytes the seal was read from.
     let meta_name = seal.meta_file.file_name().expect("a file name");
@@ -435,11 +514,12 @@ fn build(seal: &Seal, key: &ModelKey, opts: &Options, manifest: Option<&Manifest
 
     // The secret files of trusted.kllm, at their paths; under a manifest only when it lists
     // the blob, each checked as the blob's bytes.
-    let blob_path = root.join(blob::FILE_NAME);
-    if blob_path.is_file() {
-        let blob_meta = fs::metadata(&blob_path)
-            .map_err(|e| Error::at(&blob_path, format!("cannot stat ({e})")))?;
-        let data = blob::read_bytes(&blob_path)?;
+    let blob_entry = listing
+        .get(Path::new(blob::FILE_NAME))
+        .filter(|e| e.attr.kind == Kind::File);
+    if let Some(entry) = blob_entry {
+        let blob_path = source.at(&entry.path);
+        let data = blob::read_object(&blob_path, &*source.open(&entry.content_path)?)?;
         let files = blob::secret_files(&blob_path, &blob::open(&blob_path, &data, key)?)?;
         let integrity = match manifest {
             None => Some(None),
@@ -455,7 +535,7 @@ fn build(seal: &Seal, key: &ModelKey, opts: &Options, manifest: Option<&Manifest
             Some(check) => {
                 for (rel, data) in files {
                     crate::secmem::lock_slice(&data);
-                    let ino = add_secret_file(&mut b, &blob_path, &blob_meta, &rel, data)?;
+                    let ino = add_secret_file(&mut b, &blob_path, &entry.attr, &rel, data)?;
                     b.nodes[ino as usize - 1].integrity = check.map(|(want, got)| {
                         Integrity::decided(blob::FILE_NAME.to_string(), want, got)
                     });
@@ -469,7 +549,7 @@ fn build(seal: &Seal, key: &ModelKey, opts: &Options, manifest: Option<&Manifest
 fn add_secret_file(
     b: &mut Builder,
     blob_path: &Path,
-    blob_meta: &Metadata,
+    blob_attr: &Attr,
     rel: &str,
     data: Zeroizing<Vec<u8>>,
 ) -> Result<Ino> {
@@ -486,14 +566,22 @@ fn add_secret_file(
                 ))
             }
             None => {
-                let mut attr = attr_of(blob_meta, Kind::Dir, 0);
-                attr.perm = 0o755;
+                let attr = Attr {
+                    kind: Kind::Dir,
+                    size: 0,
+                    perm: 0o755,
+                    ..*blob_attr
+                };
                 b.add(dir, name, attr, Content::Dir(Vec::new()))
             }
         };
     }
     let name = OsString::from(parts[parts.len() - 1]);
-    let attr = attr_of(blob_meta, Kind::File, data.len() as u64);
+    let attr = Attr {
+        kind: Kind::File,
+        size: data.len() as u64,
+        ..*blob_attr
+    };
     match b.children[dir as usize - 1].get(&name) {
         Some(&ino) if b.nodes[ino as usize - 1].attr.kind == Kind::Dir => Err(Error::at(
             blob_path,
@@ -530,186 +618,37 @@ fn hidden(rel: &Path) -> bool {
             .is_some_and(|n| n == blob::FILE_NAME || n == SHIPPED_KEY || n == manifest::FILE_NAME)
 }
 
-/// The walk over the sealed directory: what every level needs, held once.
-struct Walker<'a> {
-    seal: &'a Seal,
-    key: &'a ModelKey,
-    /// Only the files it lists are shown, each checked against it.
-    manifest: Option<&'a Manifest>,
-    canon_root: PathBuf,
-    /// Directories already shown, so a link loop is shown once.
-    visited: HashSet<PathBuf>,
-    b: Builder,
-}
-
-/// Where a directory entry's bytes live: the entry itself, or a link's target.
-struct Resolved {
-    real: PathBuf,
-    meta: Metadata,
-    /// The path relative to the root that scopes tensor ids: kLLM scopes them by the real
-    /// path, and hidden files stay hidden behind a link.
-    content_rel: PathBuf,
-}
-
-impl Walker<'_> {
-    fn walk(&mut self, dir: &Path, rel_dir: &Path, dir_ino: Ino) -> Result<()> {
-        let mut entries: Vec<_> = fs::read_dir(dir)
-            .map_err(|e| Error::at(dir, format!("cannot list ({e})")))?
-            .collect::<std::io::Result<_>>()
-            .map_err(|e| Error::at(dir, format!("cannot list ({e})")))?;
-        entries.sort_by_key(|e| e.file_name());
-        for entry in entries {
-            let name = entry.file_name();
-            let path = entry.path();
-            let rel = rel_dir.join(&name);
-            if hidden(&rel) {
-                continue;
-            }
-            let Some(Resolved {
-                real,
-                meta,
-                content_rel,
-            }) = self.resolve(&path, &rel)?
-            else {
-                continue;
-            };
-            if meta.is_dir() {
-                let canon = fs::canonicalize(&real)
-                    .map_err(|e| Error::at(&path, format!("cannot resolve ({e})")))?;
-                if !self.visited.insert(canon) {
-                    log::warn!(
-                        "{}: directory already shown (link loop); not shown again",
-                        path.display()
-                    );
-                    continue;
-                }
-                let attr = attr_of(&meta, Kind::Dir, 0);
-                let ino = self.b.add(dir_ino, name, attr, Content::Dir(Vec::new()));
-                self.walk(&real, &rel, ino)?;
-            } else if meta.is_file() {
-                let integrity = match self.manifest {
-                    None => None,
-                    Some(m) => {
-                        let listed_as = manifest_path(&rel);
-                        let Some(want) = m.digest(&listed_as) else {
-                            log::warn!("{}: not in the manifest; not shown", path.display());
-                            continue;
-                        };
-                        Some(Integrity::new(listed_as, want))
-                    }
-                };
-                let content = file_content(self.seal, self.key, &real, &path, &content_rel)?;
-                let attr = attr_of(&meta, Kind::File, meta.len());
-                let ino = self.b.add(dir_ino, name, attr, content);
-                self.b.nodes[ino as usize - 1].integrity = integrity;
-            } else {
-                log::warn!(
-                    "{}: not a regular file or directory; not shown",
-                    path.display()
-                );
-            }
-        }
-        Ok(())
-    }
-
-    /// Follow a link only when it stays inside the sealed directory, and only to a file: the
-    /// folder it points to is shown where it lives. `None`: the entry is not shown.
-    fn resolve(&self, path: &Path, rel: &Path) -> Result<Option<Resolved>> {
-        let lmeta = fs::symlink_metadata(path)
-            .map_err(|e| Error::at(path, format!("cannot stat ({e})")))?;
-        if !lmeta.file_type().is_symlink() {
-            return Ok(Some(Resolved {
-                real: path.to_path_buf(),
-                meta: lmeta,
-                content_rel: rel.to_path_buf(),
-            }));
-        }
-        let target = match fs::canonicalize(path) {
-            Ok(t) => t,
-            Err(e) => {
-                log::warn!(
-                    "{}: dangling symbolic link ({e}); not shown",
-                    path.display()
-                );
-                return Ok(None);
-            }
-        };
-        let Ok(target_rel) = target.strip_prefix(&self.canon_root).map(Path::to_path_buf) else {
-            log::warn!(
-                "{}: symbolic link to {} leaves the sealed directory; not shown",
-                path.display(),
-                target.display()
-            );
-            return Ok(None);
-        };
-        let meta = fs::metadata(&target)
-            .map_err(|e| Error::at(path, format!("cannot stat link target ({e})")))?;
-        if meta.is_dir() {
-            log::warn!(
-                "{}: symbolic link to a folder; not followed",
-                path.display()
-            );
-            return Ok(None);
-        }
-        if hidden(&target_rel) {
-            return Ok(None);
-        }
-        Ok(Some(Resolved {
-            real: target,
-            meta,
-            content_rel: target_rel,
-        }))
-    }
-}
-
+/// What a listed file shows: a locked shard is decoded on read, anything else is shown as
+/// it is. Reads the header of every lockable shard.
 fn file_content(
     seal: &Seal,
     key: &ModelKey,
-    real: &Path,
-    shown: &Path,
-    rel: &Path,
+    source: &dyn Source,
+    entry: &Entry,
 ) -> Result<Content> {
+    let object = source.open(&entry.content_path)?;
+    let rel = &entry.content_path;
     if !is_lockable(rel) {
-        let m = fs::metadata(real).map_err(|e| Error::at(shown, format!("cannot stat ({e})")))?;
-        return Ok(Content::Verbatim {
-            path: real.to_path_buf(),
-            file: Default::default(),
-            id: (m.dev(), m.ino()),
-            stamp: Stamp::from_meta(&m),
-        });
+        return Ok(Content::Verbatim(object));
     }
-    let file = File::open(real).map_err(|e| Error::at(shown, format!("cannot open ({e})")))?;
+    let shown = source.at(&entry.path);
     let shard_dir = rel
         .parent()
         .map(|p| p.to_string_lossy().into_owned())
         .unwrap_or_default();
-    let shard = Shard::open(shown, &file, &shard_dir, key)?;
+    let raw = |at: u64, buf: &mut [u8]| source::raw_read(&*object, at, buf);
+    let shard = Shard::read_header(&shown, object.len(), &raw, &shard_dir, key)?;
     if !shard.is_locked() {
-        let m = file
-            .metadata()
-            .map_err(|e| Error::at(shown, format!("cannot stat ({e})")))?;
-        return Ok(Content::Verbatim {
-            path: real.to_path_buf(),
-            file: std::sync::OnceLock::from(std::sync::Arc::new(file)),
-            id: (m.dev(), m.ino()),
-            stamp: Stamp::from_meta(&m),
-        });
+        return Ok(Content::Verbatim(object));
     }
     if seal.lock.is_none() {
         return Err(Error::at(
-            shown,
+            &shown,
             format!(
                 "carries {LOCK_META}, but {} has no lock flag; refusing to guess",
                 seal.meta_file.display()
             ),
         ));
     }
-    let stamp = crate::view::Stamp::of(&file)
-        .map_err(|e| Error::at(shown, format!("cannot stat ({e})")))?;
-    Ok(Content::Shard {
-        path: real.to_path_buf(),
-        file,
-        shard,
-        stamp,
-    })
+    Ok(Content::Shard { object, shard })
 }

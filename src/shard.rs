@@ -2,6 +2,7 @@
 //! and decoding any byte range of the file.
 
 use std::io;
+use std::ops::Range;
 use std::path::Path;
 
 use safetensors::tensor::Metadata;
@@ -9,11 +10,11 @@ use safetensors::Dtype;
 use serde_json::Value;
 
 use crate::key::ModelKey;
-use crate::lock::{tensor_id, Codec, TensorLock, Version};
+use crate::lock::{document, tensor_id, LockEntry, TensorLock};
+use crate::ranges::{self, Piece};
 use crate::{Error, ReadError, Result};
 
-/// The metadata key a locked shard records its tensors' domains under.
-pub const LOCK_META: &str = "kllm.lock";
+pub use crate::lock::LOCK_META;
 /// safetensors' own limit on the header.
 pub const MAX_HEADER: u64 = 100_000_000;
 
@@ -49,67 +50,6 @@ pub struct Shard {
     pub locked: Vec<LockedTensor>,
 }
 
-/// One entry of `kllm.lock`: a v1 domain, or a v2 domain and format name.
-struct LockEntry {
-    name: String,
-    version: Version,
-    m: u64,
-    format: Option<String>,
-}
-
-/// The parsed `kllm.lock` document.
-fn lock_entries(path: &Path, text: &str) -> Result<Vec<LockEntry>> {
-    let bad = |msg: String| Error::at(path, format!("{LOCK_META}: {msg}"));
-    let doc: Value = serde_json::from_str(text).map_err(|e| bad(format!("not JSON ({e})")))?;
-    let Value::Object(doc) = doc else {
-        return Err(bad("not a JSON object".into()));
-    };
-    let mut out = Vec::new();
-    match doc.get("version") {
-        Some(Value::String(v)) if v == "v2" => {
-            let Some(Value::Object(tensors)) = doc.get("tensors") else {
-                return Err(bad("v2 document without a \"tensors\" object".into()));
-            };
-            for (name, entry) in tensors {
-                let pair = entry.as_array().filter(|a| a.len() == 2);
-                let (m, fmt) = match pair.map(|a| (a[0].as_u64(), a[1].as_str())) {
-                    Some((Some(m), Some(fmt))) => (m, fmt),
-                    _ => return Err(bad(format!("entry of {name:?} is not [domain, format]"))),
-                };
-                out.push(LockEntry {
-                    name: name.clone(),
-                    version: Version::V2,
-                    m,
-                    format: Some(fmt.to_string()),
-                });
-            }
-        }
-        Some(other) => {
-            let shown = other
-                .as_str()
-                .map(str::to_string)
-                .unwrap_or_else(|| other.to_string());
-            return Err(bad(format!(
-                "unknown lock version {shown} (this kllm-mount reads v1 and v2)"
-            )));
-        }
-        None => {
-            for (name, entry) in &doc {
-                let m = entry
-                    .as_u64()
-                    .ok_or_else(|| bad(format!("v1 entry of {name:?} is not a domain size")))?;
-                out.push(LockEntry {
-                    name: name.clone(),
-                    version: Version::V1,
-                    m,
-                    format: None,
-                });
-            }
-        }
-    }
-    Ok(out)
-}
-
 fn read_exact_at(file: &std::fs::File, buf: &mut [u8], off: u64) -> io::Result<()> {
     std::os::unix::fs::FileExt::read_exact_at(file, buf, off)
 }
@@ -128,6 +68,18 @@ impl Shard {
             .metadata()
             .map_err(|e| Error::at(path, format!("cannot stat ({e})")))?
             .len();
+        let raw = |at: u64, buf: &mut [u8]| read_exact_at(file, buf, at);
+        Shard::read_header(path, file_len, &raw, shard_dir, key)
+    }
+
+    /// [`Shard::open`] of a file of `file_len` bytes that `raw` reads.
+    pub fn read_header(
+        path: &Path,
+        file_len: u64,
+        raw: &RawReader<'_>,
+        shard_dir: &str,
+        key: &ModelKey,
+    ) -> Result<Shard> {
         let mut prefix = [0u8; 8];
         if file_len < 8 {
             return Err(Error::at(
@@ -135,8 +87,7 @@ impl Shard {
                 "safetensors header is malformed (file shorter than 8 bytes)",
             ));
         }
-        read_exact_at(file, &mut prefix, 0)
-            .map_err(|e| Error::at(path, format!("cannot read ({e})")))?;
+        raw(0, &mut prefix).map_err(|e| Error::at(path, format!("cannot read ({e})")))?;
         let n = u64::from_le_bytes(prefix);
         if n > MAX_HEADER {
             return Err(Error::at(
@@ -148,8 +99,7 @@ impl Shard {
             return Err(Error::at(path, format!("safetensors header ({n} bytes) runs past the end of the file ({file_len} bytes)")));
         }
         let mut header = vec![0u8; n as usize];
-        read_exact_at(file, &mut header, 8)
-            .map_err(|e| Error::at(path, format!("cannot read ({e})")))?;
+        raw(8, &mut header).map_err(|e| Error::at(path, format!("cannot read ({e})")))?;
         Shard::from_header(path, &header, file_len, shard_dir, key)
     }
 
@@ -181,7 +131,7 @@ impl Shard {
             serde_json::from_str(text).map_err(|e| malformed(e.to_string()))?;
         let lock_text = take_lock_text(path, &mut doc)?;
         let mut locked = match &lock_text {
-            Some(lock_text) => lock_entries(path, lock_text)?
+            Some(lock_text) => document::parse(path, lock_text)?
                 .into_iter()
                 .map(|entry| locked_tensor(path, &meta, data_start, shard_dir, key, entry))
                 .collect::<Result<Vec<_>>>()?,
@@ -214,13 +164,13 @@ impl Shard {
     ) -> std::result::Result<(), ReadError> {
         let end = off + out.len() as u64;
         debug_assert!(end <= self.file_len);
-        let mut pos = off;
-        if pos < self.data_start {
-            let upto = end.min(self.data_start);
-            out[..(upto - off) as usize]
-                .copy_from_slice(&self.view_header[off as usize..upto as usize]);
-            pos = upto;
+        let header = ranges::overlap(off..end, 0..self.data_start);
+        if !header.is_empty() {
+            out[..(header.end - off) as usize]
+                .copy_from_slice(&self.view_header[header.start as usize..header.end as usize]);
         }
+        // The header's end, or `off` when the read starts past it.
+        let pos = header.end;
         if pos >= end {
             return Ok(());
         }
@@ -299,8 +249,7 @@ impl Shard {
         let end = pos + buf.len() as u64;
         let first = self.locked.partition_point(|t| t.end <= pos);
         for t in self.locked[first..].iter().take_while(|t| t.start < end) {
-            let a = t.start.max(pos);
-            let b = t.end.min(end);
+            let Range { start: a, end: b } = ranges::overlap(t.start..t.end, pos..end);
             decode_range(
                 t,
                 a,
@@ -335,48 +284,21 @@ fn locked_tensor(
     key: &ModelKey,
     entry: LockEntry,
 ) -> Result<LockedTensor> {
-    let LockEntry {
-        name,
-        version,
-        m,
-        format,
-    } = entry;
-    let info = meta.info(&name).ok_or_else(|| {
+    let info = meta.info(&entry.name).ok_or_else(|| {
         Error::at(
             path,
-            format!("{LOCK_META} names tensor {name:?}, which the shard lacks"),
+            format!(
+                "{LOCK_META} names tensor {:?}, which the shard lacks",
+                entry.name
+            ),
         )
     })?;
-    let codec = match &format {
-        Some(fmt) => Codec::v2(fmt, info.dtype).ok_or_else(|| {
-            Error::at(
-                path,
-                format!(
-                    "{LOCK_META}: tensor {name:?} is {:?}, which format {fmt:?} cannot hold",
-                    info.dtype
-                ),
-            )
-        })?,
-        None => Codec::float(info.dtype).ok_or_else(|| {
-            Error::at(
-                path,
-                format!(
-                    "{LOCK_META}: tensor {name:?} is {:?}, which lock v1 cannot hold",
-                    info.dtype
-                ),
-            )
-        })?,
-    };
-    if !codec.valid_domain(m) {
-        let fmt = format.as_deref().unwrap_or("float");
-        return Err(Error::at(
-            path,
-            format!(
-                "{LOCK_META}: domain {m} of tensor {name:?} is impossible for {:?} in format {fmt}",
-                info.dtype
-            ),
-        ));
-    }
+    let codec = entry
+        .codec(info.dtype)
+        .map_err(|why| Error::at(path, why))?;
+    let LockEntry {
+        name, version, m, ..
+    } = entry;
     let lock = TensorLock::new(key, version, codec, m, &tensor_id(shard_dir, &name));
     let (s, e) = info.data_offsets;
     let units = (e - s) as u64 / codec.unit_bytes() as u64;
@@ -433,36 +355,31 @@ fn decode_range(
     };
     let rel_a = a - t.start;
     let rel_b = b - t.start;
-    let first_whole = rel_a.div_ceil(ub);
-    let last_whole = rel_b / ub;
-    let partial = |unit: u64, buf: &mut [u8]| -> std::result::Result<(), ReadError> {
+    // Units all of `ub` bytes: a cut unit at the end is read whole.
+    let total = rel_b.div_ceil(ub) * ub;
+    let cut = ranges::cut(rel_a, rel_b, ub, total);
+    let partial = |p: &Piece, buf: &mut [u8]| -> std::result::Result<(), ReadError> {
         let mut tmp = [0u8; 8];
         let tmp = &mut tmp[..ub as usize];
-        raw(t.start + unit * ub, tmp)?;
-        t.lock.decode(unit, tmp).map_err(corrupt)?;
-        let u0 = unit * ub;
-        let lo = rel_a.max(u0);
-        let hi = rel_b.min(u0 + ub);
-        buf[(lo - rel_a) as usize..(hi - rel_a) as usize]
-            .copy_from_slice(&tmp[(lo - u0) as usize..(hi - u0) as usize]);
+        let u0 = p.block * ub;
+        raw(t.start + u0, tmp)?;
+        t.lock.decode(p.block, tmp).map_err(corrupt)?;
+        buf[(p.bytes.start - rel_a) as usize..(p.bytes.end - rel_a) as usize]
+            .copy_from_slice(&tmp[(p.bytes.start - u0) as usize..(p.bytes.end - u0) as usize]);
         Ok(())
     };
-    if first_whole > last_whole {
-        // The whole range lies inside one unit.
-        return partial(rel_a / ub, buf);
+    if let Some(p) = &cut.head {
+        partial(p, buf)?;
     }
-    if rel_a % ub != 0 {
-        partial(rel_a / ub, buf)?;
-    }
-    if first_whole < last_whole {
-        let lo = (first_whole * ub - rel_a) as usize;
-        let hi = (last_whole * ub - rel_a) as usize;
+    let whole = cut.whole_bytes(ub, total);
+    if !whole.is_empty() {
+        let at = (whole.start - rel_a) as usize..(whole.end - rel_a) as usize;
         t.lock
-            .decode(first_whole, &mut buf[lo..hi])
+            .decode(cut.whole.start, &mut buf[at])
             .map_err(corrupt)?;
     }
-    if rel_b % ub != 0 {
-        partial(last_whole, buf)?;
+    if let Some(p) = &cut.tail {
+        partial(p, buf)?;
     }
     Ok(())
 }

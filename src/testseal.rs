@@ -11,9 +11,9 @@ use serde_json::{json, Value};
 
 use crate::blob;
 use crate::key::ModelKey;
+use crate::lock::LOCK_META;
 use crate::lock::{tensor_id, Codec, TensorLock, Version};
 use crate::sealed::{is_lockable, LLM_META, PIPELINE_META};
-use crate::shard::LOCK_META;
 use crate::{Error, Result};
 
 /// Files kLLM keeps only inside `trusted.kllm`.
@@ -102,15 +102,6 @@ pub fn v2_codec(t: &Tensor, fp4: bool) -> Option<Codec> {
     }
 }
 
-fn format_name(c: Codec) -> &'static str {
-    match c {
-        Codec::Float { .. } => "float",
-        Codec::E8m0 => "e8m0",
-        Codec::Index { .. } => "index",
-        Codec::Fp4x2 => "e2m1x2",
-    }
-}
-
 /// Lock the tensors of one shard in memory; returns the `kllm.lock` document, or `None`
 /// when nothing was lockable. `fp4` says which I8/U8 tensors hold packed FP4.
 pub fn lock_tensors(
@@ -120,7 +111,7 @@ pub fn lock_tensors(
     shard_dir: &str,
     fp4: &dyn Fn(&str) -> bool,
 ) -> Result<Option<String>> {
-    let mut entries = serde_json::Map::new();
+    let mut entries = Vec::new();
     for t in tensors.iter_mut() {
         let codec = match version {
             Version::V1 => Codec::float(t.dtype).filter(|_| !t.data.is_empty()),
@@ -136,20 +127,12 @@ pub fn lock_tensors(
         let lock = TensorLock::new(key, version, codec, m, &tensor_id(shard_dir, &t.name));
         lock.encode(0, &mut t.data)
             .map_err(|e| Error::new(format!("{}: value {} outside its domain", t.name, e.unit)))?;
-        let entry = match version {
-            Version::V1 => json!(m),
-            Version::V2 => json!([m, format_name(codec)]),
-        };
-        entries.insert(t.name.clone(), entry);
+        entries.push((t.name.clone(), m, codec));
     }
     if entries.is_empty() {
         return Ok(None);
     }
-    let doc = match version {
-        Version::V1 => Value::Object(entries),
-        Version::V2 => json!({"version": "v2", "tensors": entries}),
-    };
-    Ok(Some(crate::pyjson::dumps_sorted(&doc)))
+    Ok(Some(crate::lock::document::render(version, &entries)))
 }
 
 /// Lock one shard file in place.

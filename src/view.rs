@@ -3,10 +3,7 @@
 
 use std::ffi::{OsStr, OsString};
 use std::fs::File;
-use std::os::unix::fs::FileExt;
-use std::path::PathBuf;
 use std::sync::{Arc, OnceLock};
-use std::time::SystemTime;
 
 use zeroize::Zeroizing;
 
@@ -14,85 +11,25 @@ use crate::cache::BlockCache;
 use crate::metrics::Stats;
 use crate::secmem::Wiped;
 use crate::shard::Shard;
+use crate::source::{self, Object};
+pub use crate::source::{Attr, Kind};
 use crate::ReadError;
 
 pub type Ino = u64;
 pub const ROOT: Ino = 1;
 
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum Kind {
-    Dir,
-    File,
-}
-
-/// What `stat` shows of a node.
-#[derive(Debug, Clone, Copy)]
-pub struct Attr {
-    pub kind: Kind,
-    pub size: u64,
-    /// Permission bits only.
-    pub perm: u16,
-    pub uid: u32,
-    pub gid: u32,
-    pub atime: SystemTime,
-    pub mtime: SystemTime,
-    pub ctime: SystemTime,
-}
-
 pub enum Content {
     Dir(Vec<(OsString, Ino)>),
-    /// A file shown byte for byte as it is on disk, opened on first read; `id` is its
-    /// (device, inode) at mount time, so a file or folder swapped in its place is not served.
-    Verbatim {
-        path: PathBuf,
-        file: OnceLock<Arc<File>>,
-        id: (u64, u64),
-        /// The file as it was at mount time; checked on reads of a file under a manifest.
-        stamp: Stamp,
-    },
+    /// A file shown byte for byte as its source holds it.
+    Verbatim(Arc<dyn Object>),
     /// Bytes that exist only in memory: secret files and the metadata file without its
     /// lock flag.
     Memory(Zeroizing<Vec<u8>>),
     /// A locked shard, decoded on read.
     Shard {
-        path: PathBuf,
-        file: File,
+        object: Arc<dyn Object>,
         shard: Shard,
-        /// The file as it was at mount time.
-        stamp: Stamp,
     },
-}
-
-/// The size, modification and change times of a sealed file at mount time: writing to the
-/// mounted inode changes the change time even when the writer sets the modification time
-/// back.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub struct Stamp {
-    len: u64,
-    mtime: (i64, i64),
-    /// The change time, which no writer can set back.
-    ctime: (i64, i64),
-}
-
-impl Stamp {
-    pub fn of(file: &File) -> std::io::Result<Stamp> {
-        Ok(Stamp::from_meta(&file.metadata()?))
-    }
-
-    pub fn from_meta(m: &std::fs::Metadata) -> Stamp {
-        use std::os::unix::fs::MetadataExt;
-        Stamp {
-            len: m.len(),
-            mtime: (m.mtime(), m.mtime_nsec()),
-            ctime: (m.ctime(), m.ctime_nsec()),
-        }
-    }
-
-    /// Whether `now` may hold other bytes than `self` where `self`'s bytes were: any
-    /// change (stat cannot tell an append, or a rename over the file, from a rewrite).
-    pub fn rewritten(&self, now: &Stamp) -> bool {
-        now != self
-    }
 }
 
 pub struct Node {
@@ -310,12 +247,7 @@ impl View {
     /// SHA-256 of the sealed file behind a node.
     fn hash(&self, node: &Node) -> std::io::Result<[u8; 32]> {
         match &node.content {
-            Content::Verbatim { .. } => match self.verbatim_file(node) {
-                Ok(f) => crate::digest::sha256_file(f),
-                Err(ReadError::Io(e)) => Err(e),
-                Err(e) => Err(std::io::Error::other(e.to_string())),
-            },
-            Content::Shard { file, .. } => crate::digest::sha256_file(file),
+            Content::Verbatim(object) | Content::Shard { object, .. } => source::sha256(&**object),
             Content::Memory(_) | Content::Dir(_) => Err(std::io::Error::other(
                 "no file to hash (its verdict is given at mount)",
             )),
@@ -328,19 +260,18 @@ impl View {
         self.read_unverified(ino, off, out)
     }
 
-    /// The sealed file whose bytes a file of the view shows (decoded or not); `None` for
-    /// bytes held in memory.
-    pub fn sealed_file(&self, ino: Ino) -> Result<Option<&File>, ReadError> {
+    /// The source object whose bytes a file of the view shows (decoded or not); `None`
+    /// for bytes held in memory.
+    pub fn sealed_object(&self, ino: Ino) -> Result<Option<&Arc<dyn Object>>, ReadError> {
         let node = self.node(ino).ok_or(ReadError::NotFound)?;
         match &node.content {
-            Content::Shard { file, .. } => Ok(Some(file)),
-            Content::Verbatim { .. } => self.verbatim_file(node).map(|f| Some(f.as_ref())),
+            Content::Shard { object, .. } | Content::Verbatim(object) => Ok(Some(object)),
             Content::Memory(_) => Ok(None),
             Content::Dir(_) => Err(ReadError::IsDir),
         }
     }
 
-    /// Turn `buf`, which holds the bytes of [`View::sealed_file`] at `off` (nothing for
+    /// Turn `buf`, which holds the bytes of [`View::sealed_object`] at `off` (nothing for
     /// bytes held in memory), into the file's view bytes in place, without the integrity
     /// check, for a copy that serves nothing before the verdict ([`crate::fill::Fill`]).
     /// Fails if the sealed file changed since mounting.
@@ -356,23 +287,20 @@ impl View {
             Content::Memory(bytes) => {
                 buf.copy_from_slice(&bytes[off as usize..off as usize + buf.len()]);
             }
-            Content::Verbatim { stamp, .. } => {
-                let f = self.verbatim_file(node)?;
-                if node.integrity.is_some() && stamp.rewritten(&Stamp::of(f)?) {
-                    return Err(ReadError::Changed);
+            Content::Verbatim(object) => {
+                // Under a manifest the bytes checked must be the bytes served.
+                if node.integrity.is_some() {
+                    object.check_unchanged()?;
                 }
             }
-            Content::Shard {
-                file, shard, stamp, ..
-            } => {
-                let raw = |at: u64, b: &mut [u8]| file.read_exact_at(b, at);
+            Content::Shard { object, shard } => {
+                let raw = |at: u64, b: &mut [u8]| source::raw_read(&**object, at, b);
                 shard.unlock_in_place(off, buf, &raw)?;
                 Stats::add(&self.stats.bytes_decoded, buf.len() as u64);
                 // Checked after the sealed bytes were fetched: a change before or during
                 // the fetch is caught.
-                let touched_data = off + buf.len() as u64 > shard.data_start;
-                if touched_data && stamp.rewritten(&Stamp::of(file)?) {
-                    return Err(ReadError::Changed);
+                if off + buf.len() as u64 > shard.data_start {
+                    object.check_unchanged()?;
                 }
             }
         }
@@ -380,16 +308,13 @@ impl View {
     }
 
     /// Tell the kernel the sealed bytes behind `[off, off + len)` of a file will be read
-    /// soon, so the disk reads them while the cores decode what came before.
+    /// soon, so the disk reads them while the cores decode what came before (local files).
     pub fn will_read(&self, ino: Ino, off: u64, len: u64) {
-        let Some(node) = self.node(ino) else { return };
-        let file = match &node.content {
-            Content::Shard { file, .. } => file,
-            Content::Verbatim { file, .. } => match file.get() {
-                Some(f) => f.as_ref(),
-                None => return,
-            },
-            _ => return,
+        let Ok(Some(object)) = self.sealed_object(ino) else {
+            return;
+        };
+        let Ok(Some(file)) = object.local_file() else {
+            return;
         };
         use std::os::fd::AsRawFd;
         // SAFETY: advice on an open descriptor; the kernel reads ahead asynchronously.
@@ -411,18 +336,15 @@ impl View {
             Content::Dir(_) => return Err(ReadError::IsDir),
             _ if len == 0 => {}
             Content::Memory(bytes) => out.copy_from_slice(&bytes[off as usize..off as usize + len]),
-            Content::Verbatim { stamp, .. } => {
-                let f = self.verbatim_file(node)?;
-                f.read_exact_at(out, off)?;
+            Content::Verbatim(object) => {
+                object.read_exact_at(out, off)?;
                 // Under a manifest the bytes checked must be the bytes served.
-                if node.integrity.is_some() && stamp.rewritten(&Stamp::of(f)?) {
-                    return Err(ReadError::Changed);
+                if node.integrity.is_some() {
+                    object.check_unchanged()?;
                 }
             }
-            Content::Shard {
-                file, shard, stamp, ..
-            } => {
-                let raw = |at: u64, buf: &mut [u8]| file.read_exact_at(buf, at);
+            Content::Shard { object, shard } => {
+                let raw = |at: u64, buf: &mut [u8]| source::raw_read(&**object, at, buf);
                 let (hits, misses) = self.cache.read_shard(ino, shard, off, out, &raw)?;
                 Stats::add(&self.stats.cache_hits, hits);
                 Stats::add(&self.stats.cache_misses, misses);
@@ -430,33 +352,21 @@ impl View {
                 // Bytes decoded from a file rewritten since mounting are wrong: checked
                 // after reading, so a change before or during the read is caught.
                 let touched_data = off + len as u64 > shard.data_start;
-                if touched_data && stamp.rewritten(&Stamp::of(file)?) {
-                    return Err(ReadError::Changed);
+                if touched_data {
+                    object.check_unchanged()?;
                 }
             }
         }
         Ok(len)
     }
 
-    /// The open file behind a verbatim node, opened on first use.
-    pub fn verbatim_file<'a>(&self, node: &'a Node) -> Result<&'a Arc<File>, ReadError> {
-        let Content::Verbatim { path, file, id, .. } = &node.content else {
+    /// The local file behind a verbatim node (for a passthrough backing file), opened on
+    /// first use; `NotFound` when its source has no local file.
+    pub fn verbatim_file<'a>(&self, node: &'a Node) -> Result<&'a File, ReadError> {
+        let Content::Verbatim(object) = &node.content else {
             return Err(ReadError::NotFound);
         };
-        if let Some(f) = file.get() {
-            return Ok(f);
-        }
-        // Not through a link put in the file's place after mounting.
-        use std::os::unix::fs::{MetadataExt, OpenOptionsExt};
-        let opened = std::fs::OpenOptions::new()
-            .read(true)
-            .custom_flags(libc::O_NOFOLLOW)
-            .open(path)?;
-        let m = opened.metadata()?;
-        if (m.dev(), m.ino()) != *id {
-            return Err(ReadError::Changed);
-        }
-        Ok(file.get_or_init(|| Arc::new(opened)))
+        object.local_file()?.ok_or(ReadError::NotFound)
     }
 
     /// A path-based read, the core's whole contract: bytes `[off, off+len)` of path P.

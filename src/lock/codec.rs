@@ -48,6 +48,16 @@ impl Codec {
         }
     }
 
+    /// The format name a v2 entry gives this codec.
+    pub fn format_name(self) -> &'static str {
+        match self {
+            Codec::Float { .. } => "float",
+            Codec::E8m0 => "e8m0",
+            Codec::Index { .. } => "index",
+            Codec::Fp4x2 => "e2m1x2",
+        }
+    }
+
     /// Bytes of one unit: a value, or a byte of two FP4 codes.
     pub fn unit_bytes(self) -> usize {
         match self {

@@ -5,6 +5,8 @@
 //! AES-256-CTR for lock v1 and ChaCha20 for lock v2. Both seek to any block, so any range of
 //! a tensor decodes on its own.
 //!
+//! - [`document`]: the `kllm.lock` document a locked shard carries, and which codec each
+//!   entry gets;
 //! - [`codec`]: how values are read as codes, and the domains each kind allows;
 //! - `stream`: the key streams;
 //! - `arith`: offsets and modular shifts;
@@ -12,10 +14,12 @@
 
 mod arith;
 mod codec;
+pub mod document;
 mod lanes;
 mod stream;
 
 pub use codec::Codec;
+pub use document::{LockEntry, LOCK_META};
 
 use crate::key::{ModelKey, Secret};
 use lanes::{BatchFn, Domain, Isa};
@@ -30,11 +34,19 @@ pub enum Version {
 }
 
 impl Version {
+    /// Every lock version this build reads: a new one is added here and in [`document`].
+    pub const ALL: [Version; 2] = [Version::V1, Version::V2];
+
     pub fn parse(s: &str) -> Option<Version> {
-        match s {
-            "v1" => Some(Version::V1),
-            "v2" => Some(Version::V2),
-            _ => None,
+        Version::ALL.into_iter().find(|v| v.label() == s)
+    }
+
+    /// The versions for messages: `v1 and v2`.
+    pub fn supported_text() -> String {
+        let labels: Vec<&str> = Version::ALL.iter().map(|v| v.label()).collect();
+        match labels.split_last() {
+            Some((last, rest)) if !rest.is_empty() => format!("{} and {last}", rest.join(", ")),
+            _ => labels.concat(),
         }
     }
 
