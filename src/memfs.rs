@@ -6,12 +6,13 @@
 //! they never have a name, and live until the last descriptor and the last mapping of them
 //! are gone.
 //!
-//! The page size is chosen per mount ([`Pages`]): 64 KiB folios where the kernel gives a
+//! The page size is chosen per mount ([`Pages`]): 1 MiB folios where the kernel gives a
 //! tmpfs mounted `huge=within_size` folios as large as each allocation (Linux 6.14+), else
-//! 2 MiB pages (`huge=always`). Both serve reads at page-cache speed, where 4 KiB pages take
-//! three times the CPU; 64 KiB folios are also cheap to fill on a VM whose host takes back
-//! free 2 MiB blocks (free page reporting), where fresh 2 MiB pages cost about 2 s per GiB
-//! (docs/PERFORMANCE.md, "Page size of the decoded copy").
+//! 2 MiB pages (`huge=always`). Both serve reads as fast as the page cache of a plain file,
+//! where 4 KiB pages take three times the CPU and 64 KiB folios a third more time; 1 MiB
+//! folios are also cheap to fill on a VM whose host takes back free blocks of 2 MiB and more
+//! (free page reporting), where fresh 2 MiB pages cost 1.4-3.3 s of CPU per GiB
+//! (docs/PERFORMANCE.md, "First load").
 
 use std::fs::File;
 use std::io;
@@ -28,8 +29,8 @@ use rustix::mount::{FsMountFlags, FsOpenFlags, MountAttrFlags};
 pub enum Pages {
     /// 2 MiB pages: `huge=always`, memory allocated in any steps.
     Huge,
-    /// 64 KiB folios: `huge=within_size`, memory allocated 64 KiB at a time in file order.
-    Folio64K,
+    /// 1 MiB folios: `huge=within_size`, memory allocated 1 MiB at a time in file order.
+    Folio1M,
 }
 
 impl Pages {
@@ -37,21 +38,21 @@ impl Pages {
     pub fn step(self) -> u64 {
         match self {
             Pages::Huge => 2 << 20,
-            Pages::Folio64K => 64 << 10,
+            Pages::Folio1M => 1 << 20,
         }
     }
 
     fn huge_option(self) -> &'static str {
         match self {
             Pages::Huge => "always",
-            Pages::Folio64K => "within_size",
+            Pages::Folio1M => "within_size",
         }
     }
 
     pub fn name(self) -> &'static str {
         match self {
             Pages::Huge => "2 MiB",
-            Pages::Folio64K => "64 KiB",
+            Pages::Folio1M => "1 MiB",
         }
     }
 }
@@ -81,12 +82,12 @@ impl Drop for Reservation {
 }
 
 impl MemoryFs {
-    /// A tmpfs of at most `budget` bytes, with 64 KiB folios where the kernel makes them.
+    /// A tmpfs of at most `budget` bytes, with 1 MiB folios where the kernel makes them.
     /// Needs CAP_SYS_ADMIN; fails on kernels without the new mount API or without
     /// `noswap`, since decoded bytes must never reach swap.
     pub fn new(budget: u64) -> io::Result<MemoryFs> {
-        let folios = MemoryFs::with_pages(budget, Pages::Folio64K)?;
-        if folios.makes_64k_folios() {
+        let folios = MemoryFs::with_pages(budget, Pages::Folio1M)?;
+        if folios.makes_folios() {
             return Ok(folios);
         }
         MemoryFs::with_pages(budget, Pages::Huge)
@@ -121,15 +122,19 @@ impl MemoryFs {
         })
     }
 
-    /// Whether allocating 64 KiB steps here makes 64 KiB folios: the kernel's counter of
-    /// such shmem folios moves (Linux 6.14+ for tmpfs; older kernels make 4 KiB pages).
-    fn makes_64k_folios(&self) -> bool {
-        const STAT: &str = "/sys/kernel/mm/transparent_hugepage/hugepages-64kB/stats/shmem_alloc";
-        let count = || -> Option<u64> { std::fs::read_to_string(STAT).ok()?.trim().parse().ok() };
+    /// Whether allocating in steps of this tmpfs's folio size makes folios of that size:
+    /// the kernel's counter of such shmem folios moves (Linux 6.14+ for tmpfs; older
+    /// kernels make 4 KiB pages).
+    fn makes_folios(&self) -> bool {
+        let step = self.pages.step();
+        let stat = format!(
+            "/sys/kernel/mm/transparent_hugepage/hugepages-{}kB/stats/shmem_alloc",
+            step >> 10
+        );
+        let count = || -> Option<u64> { std::fs::read_to_string(&stat).ok()?.trim().parse().ok() };
         let probe = || -> Option<bool> {
             let before = count()?;
             let f = self.create().ok()?;
-            let step = Pages::Folio64K.step();
             for i in 0..4 {
                 rustix::fs::fallocate(&f, FallocateFlags::empty(), i * step, step).ok()?;
             }

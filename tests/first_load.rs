@@ -19,10 +19,19 @@ const KEY: [u8; 32] = [0x6b; 32];
 const BIG: &str = "model-00002-of-00002.safetensors";
 const SMALL: &str = "model-00001-of-00002.safetensors";
 
-/// A sample whose big shard (about 127 MiB, 16 chunks of the fill) takes long enough to
-/// decode that opens arrive while its copy fills.
+/// A sample whose big shard (about 200 MiB, 25 chunks of the fill), once evicted from the
+/// page cache, takes long enough to decode that opens arrive while its copy fills.
 fn sample() -> Sample {
-    Sample::new(KEY, 1536, 9, Some(Version::V2), |_| {})
+    Sample::new(KEY, 2048, 8, Some(Version::V2), |_| {})
+}
+
+/// Drop a file's pages from the page cache, so its first reader waits for the disk.
+fn evict(path: &Path) {
+    use std::os::fd::AsRawFd;
+    let f = File::open(path).unwrap();
+    f.sync_all().unwrap();
+    // SAFETY: advice on a descriptor we hold.
+    unsafe { libc::posix_fadvise(f.as_raw_fd(), 0, 0, libc::POSIX_FADV_DONTNEED) };
 }
 
 fn mount(s: &Sample, m: &Mnt, log: &Path, extra: &[&str]) -> i32 {
@@ -77,6 +86,7 @@ fn read_all(f: &File, len: usize) -> Vec<u8> {
 fn the_first_open_reads_while_the_copy_fills_and_later_opens_get_passthrough() {
     let s = sample();
     let want = Arc::new(s.view()[BIG].clone());
+    evict(&s.sealed().join(BIG));
     let m = Mnt::new();
     let log = m.scratch().join("log");
     mount(&s, &m, &log, &["--no-decode-ahead"]);
@@ -148,6 +158,7 @@ fn tensor_parallel_opens_during_the_fill_decode_once() {
     mount(&s, &m, &log, &["--no-decode-ahead"]);
     let want = m.scratch().join("want");
     fs::write(&want, &s.view()[BIG]).unwrap();
+    evict(&s.sealed().join(BIG));
     let ranks: Vec<_> = (0..4)
         .map(|_| {
             Command::new("cmp")
