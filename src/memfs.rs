@@ -185,8 +185,11 @@ impl MemoryFs {
     }
 
     /// A nameless file of `len` bytes with its memory allocated: the kernel refuses here,
-    /// not at a later page fault, when the budget cannot hold it.
-    pub fn allocate(&self, len: u64) -> io::Result<File> {
+    /// not at a later page fault, when the budget cannot hold it. (The daemon fills files
+    /// chunk by chunk, `crate::fill`; this and `MemoryFs::fill` test the tmpfs's
+    /// guarantees on whole files.)
+    #[cfg(test)]
+    fn allocate(&self, len: u64) -> io::Result<File> {
         let file = self.create()?;
         allocate_range(&file, 0, len, self.pages.step())?;
         Ok(file)
@@ -195,7 +198,8 @@ impl MemoryFs {
     /// Fill a new file of `len` bytes through a writable mapping, then hand back a
     /// read-only descriptor of it: the writable one is closed, and the file's mode no
     /// longer lets anyone open it for writing.
-    pub fn fill<E: From<io::Error>>(
+    #[cfg(test)]
+    fn fill<E: From<io::Error>>(
         &self,
         len: u64,
         fill: impl FnOnce(&mut [u8]) -> Result<(), E>,
