@@ -346,6 +346,12 @@ impl<B: Send + Sync + 'static> Opens<B> {
     pub fn kept_bytes(&self) -> u64 {
         self.table.kept_bytes()
     }
+
+    /// Let go of decoded copies no handle uses until `need` bytes are let go (memory
+    /// pressure); bytes let go. See [`OpenTable::make_room`] for the order.
+    pub fn make_room(&self, need: u64) -> u64 {
+        self.table.make_room(need)
+    }
 }
 
 /// Start a decoded copy of file `ino` in `memory`. When the budget is full and
