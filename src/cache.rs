@@ -57,6 +57,31 @@ impl BlockCache {
         }
     }
 
+    /// Drop the least recently used blocks until `bytes` are freed (or none is left), to
+    /// give memory back under pressure; returns the bytes freed.
+    pub fn shed(&self, bytes: u64) -> u64 {
+        let Some(lru) = &self.lru else {
+            return 0;
+        };
+        let mut evicted = Vec::new();
+        let mut freed = 0;
+        {
+            let mut lru = lru.lock();
+            while freed < bytes {
+                match lru.pop_lru() {
+                    Some((_, b)) => {
+                        freed += b.len() as u64;
+                        evicted.push(b);
+                    }
+                    None => break,
+                }
+            }
+        }
+        // Wiped and unmapped here, after the lock is released.
+        drop(evicted);
+        freed
+    }
+
     /// The block size for a budget: 1 MiB (a kernel read is at most that), smaller for
     /// small budgets so the cache still holds a few blocks.
     pub fn block_size_for(budget: u64) -> u64 {
@@ -144,6 +169,10 @@ mod tests {
         assert!(c.get(1, 0).is_none());
         assert_eq!(c.get(1, 4).unwrap()[0], 4);
         assert!(!BlockCache::new(5, 10).enabled());
+        assert_eq!(c.shed(15), 20, "whole blocks, oldest first");
+        assert!(c.get(1, 2).is_none() && c.get(1, 4).is_some());
+        assert_eq!(c.shed(100), 10);
+        assert_eq!(c.held_bytes(), 0);
         assert_eq!(BlockCache::block_size_for(256 << 20), 1 << 20);
         assert_eq!(BlockCache::block_size_for(64 << 10), 4096);
         assert_eq!(BlockCache::block_size_for(3 << 20), 128 << 10);

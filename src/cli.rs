@@ -10,6 +10,7 @@ use clap::{CommandFactory, Parser};
 use crate::budget::{self, Budgets};
 use crate::daemon::{self, Served, Settings};
 use crate::key;
+use crate::limits::Limits;
 use crate::mounttab::{expand_options, Ours};
 use crate::passthrough::{Copies, Requested, ServeMode};
 use crate::sealed::{self, Options, Verify};
@@ -42,11 +43,12 @@ pub struct Args {
     #[arg(short = 'f', long)]
     pub foreground: bool,
     /// Budget of the block cache of FUSE-mode reads (K/M/G suffixes; 0 disables it).
-    #[arg(long, value_name = "SIZE", default_value = "256M", value_parser = parse_size)]
-    pub cache_size: u64,
+    /// Default: 256M, or a quarter of what a memory limit leaves (src/budget.rs).
+    #[arg(long, value_name = "SIZE", value_parser = parse_size)]
+    pub cache_size: Option<u64>,
     /// In passthrough mode, how long a shard's decoded copy outlives its last close, so
     /// the next open of a load (a rank starting later, a second pass) finds it (e.g. 60s,
-    /// 5m, 0). Copies are let go sooner when an open needs their memory.
+    /// 5m, 0). Copies are let go sooner when an open or memory pressure needs their memory.
     #[arg(long, value_name = "DURATION", default_value = "60s", value_parser = parse_duration)]
     pub keep_decoded: std::time::Duration,
     /// In passthrough mode, do not decode the shards ahead of their first open (by
@@ -74,7 +76,8 @@ pub struct Args {
     #[arg(long, value_enum, default_value_t = Requested::Auto)]
     pub mode: Requested,
     /// Memory for decoded shards in passthrough mode (K/M/G suffixes); an open past it is
-    /// served through FUSE. Default: half the machine's memory (src/budget.rs).
+    /// served through FUSE. Default: what the memory limit (cgroup, rlimit) leaves after the
+    /// cache and the daemon's own; half the machine's memory without one (src/budget.rs).
     #[arg(long, value_name = "SIZE", value_parser = parse_size)]
     pub passthrough_memory: Option<u64>,
     /// When files are checked against the manifest (kllm-manifest.json): `open` hashes each
@@ -150,23 +153,34 @@ impl Args {
         self.mountpoint.as_deref().expect("MOUNTPOINT is required")
     }
 
-    /// The memory budgets these flags give on this machine.
-    pub fn budgets(&self) -> Budgets {
-        let flags = budget::Flags {
+    pub fn memory_flags(&self) -> budget::Flags {
+        budget::Flags {
             cache_size: self.cache_size,
             passthrough_memory: self.passthrough_memory,
-        };
-        Budgets::decide(flags, budget::process_memory())
+        }
+    }
+
+    /// The memory budgets these flags give under `limits`.
+    pub fn budgets(&self, limits: &Limits) -> Budgets {
+        let in_use = limits.usage().unwrap_or(0);
+        Budgets::decide(
+            self.memory_flags(),
+            limits.effective(),
+            in_use,
+            self.threads,
+        )
     }
 
     /// What the daemon needs from the command line.
-    pub fn settings(&self) -> Settings {
+    pub fn settings(&self, budgets: &Budgets, limits: Limits) -> Settings {
         Settings {
             source: self.sealed().to_path_buf(),
             mountpoint: self.mountpoint().to_path_buf(),
             fuse_options: self.options.clone(),
             threads: self.threads,
             readahead: self.readahead,
+            budgets: budgets.clone(),
+            limits,
             copies: Copies {
                 grace: self.keep_decoded,
                 decode_ahead: !self.no_decode_ahead,
@@ -208,7 +222,8 @@ pub fn prepare(args: &Args, budgets: &Budgets) -> Result<Served> {
         ..Options::with_cache(budgets.block_cache)
     };
     let view = sealed::open(args.sealed(), &model_key, &source, &opts)?;
-    let mode = ServeMode::choose(args.mode, budgets.passthrough_memory)?;
+    let mode =
+        ServeMode::choose(args.mode, budgets.passthrough_memory)?.with_note(budgets.describe());
     Ok(Served { view, mode })
 }
 
@@ -331,9 +346,17 @@ pub fn main() {
     if let Err(e) = init_logging(&args, !args.foreground) {
         fail(&e);
     }
-    let budgets = args.budgets();
+    let limits = Limits::of_this_process();
+    let budgets = args.budgets(&limits);
+    if let Some(w) = budgets.warnings(args.memory_flags()) {
+        // The daemon logs to syslog: the command's terminal gets the warning too.
+        if !args.foreground && args.log_file.is_none() {
+            eprintln!("kllm-mount: warning: {w}");
+        }
+        log::warn!("{w}");
+    }
     let served = prepare(&args, &budgets).unwrap_or_else(|e| fail(&e));
-    let settings = args.settings();
+    let settings = args.settings(&budgets, limits);
     if args.foreground {
         // systemd Type=notify readiness (src/notify.rs).
         let ready = |r: Result<()>| {

@@ -11,9 +11,13 @@ use std::time::Duration;
 
 use fuser::{Config, MountOption, SessionACL};
 
+use crate::budget::{self, Budgets};
 use crate::fuse::KllmFs;
 use crate::kernel_mount::Unmounter;
+use crate::limits::Limits;
+use crate::passthrough::Reclaim;
 use crate::passthrough::{Copies, ServeMode};
+use crate::pressure::{Guard, Watcher, Watermarks};
 use crate::status::StatusServer;
 use crate::view::View;
 use crate::{Error, Result};
@@ -30,6 +34,10 @@ pub struct Settings {
     pub threads: usize,
     /// The kernel's readahead window for the mount, in bytes; 0 keeps the kernel's.
     pub readahead: u64,
+    /// The memory budgets (src/budget.rs).
+    pub budgets: Budgets,
+    /// The limits they were decided from, watched while serving (src/pressure.rs).
+    pub limits: Limits,
     /// How decoded copies are made and kept in passthrough mode.
     pub copies: Copies,
 }
@@ -91,7 +99,9 @@ pub fn serve(settings: &Settings, served: Served, ready: impl FnOnce(Result<()>)
     let (tx, rx) = mpsc::channel();
     let view = Arc::new(served.view);
     let mode = Arc::new(served.mode);
-    let mut unmounter = match start_session(settings, view.clone(), mode.clone(), tx) {
+    let guard = Arc::new(memory_guard(settings));
+    let session = start_session(settings, view.clone(), mode.clone(), guard.clone(), tx);
+    let (mut unmounter, reclaim) = match session {
         Ok(u) => u,
         Err(e) => {
             ready(Err(e.clone()));
@@ -109,7 +119,12 @@ pub fn serve(settings: &Settings, served: Served, ready: impl FnOnce(Result<()>)
         return Err(err);
     }
     raise_readahead(&settings.mountpoint, settings.readahead);
-    let _status = start_status(settings, view, mode);
+    let _watcher = Watcher::start(
+        guard.clone(),
+        crate::pressure::POLL,
+        Box::new(move |bytes| reclaim.give_back(bytes)),
+    );
+    let _status = start_status(settings, view, mode, guard);
     ready(Ok(()));
     log::info!(
         "mounted {} at {}",
@@ -125,17 +140,19 @@ fn start_session(
     settings: &Settings,
     view: Arc<View>,
     mode: Arc<ServeMode>,
+    guard: Arc<Guard>,
     events: mpsc::Sender<Event>,
-) -> Result<Unmounter> {
+) -> Result<(Unmounter, Reclaim)> {
     // Signals are caught before mounting, so none can end the process with the mount left.
     let mut signals =
         signal_hook::iterator::Signals::new([libc::SIGTERM, libc::SIGINT, libc::SIGHUP])
             .map_err(|e| Error::new(format!("cannot handle signals ({e})")))?;
     let cfg = fuse_config(&settings.source, &settings.fuse_options, settings.threads)?;
-    let fs = KllmFs::new(view, mode, settings.copies.clone()).on_destroy(Box::new(|| {
+    let fs = KllmFs::new(view, mode, settings.copies.clone(), guard).on_destroy(Box::new(|| {
         log::info!("session ended; exiting");
         std::process::exit(0)
     }));
+    let reclaim = fs.reclaim();
     // As root mount(2) as `fuse.kllm-mount` with the sealed path as source, else through
     // fusermount3 (src/kernel_mount.rs).
     let (session, unmounter) =
@@ -156,7 +173,18 @@ fn start_session(
             let _ = events.send(Event::Signal(sig));
         }
     })?;
-    Ok(unmounter)
+    Ok((unmounter, reclaim))
+}
+
+/// The memory limit and its watermarks: past the high one, memory is given back; the
+/// low one leaves the daemon its working memory, or a sixteenth of the limit if more.
+fn memory_guard(settings: &Settings) -> Guard {
+    let limit = settings.budgets.limit.bytes;
+    let reserve = budget::headroom(settings.threads).max(limit / 16);
+    Guard::new(
+        settings.limits.clone(),
+        Watermarks::for_limit(limit, reserve),
+    )
 }
 
 /// The status socket (`kllm-mount --status`), its gauges read at each request. A mount
@@ -165,7 +193,10 @@ fn start_status(
     settings: &Settings,
     view: Arc<View>,
     mode: Arc<ServeMode>,
+    guard: Arc<Guard>,
 ) -> Option<StatusServer> {
+    let budgets = settings.budgets.clone();
+    let copies = settings.copies.clone();
     let stats = view.stats().clone();
     let (now, _) = mode.describe();
     let extra = move || {
@@ -184,6 +215,9 @@ fn start_status(
             "mode_reason": why,
             "cache_capacity": view.cache().capacity_bytes(),
             "backing_budget": mode.memory().map(|m| m.budget()),
+            "keep_decoded_s": copies.grace.as_secs_f64(),
+            "decode_ahead": copies.decode_ahead,
+            "memory": memory_status(&budgets, &guard),
         })
     };
     match StatusServer::start(&settings.mountpoint, &settings.source, now, stats, extra) {
@@ -193,6 +227,30 @@ fn start_status(
             None
         }
     }
+}
+
+/// `--status`'s `memory`: the limit, where it comes from, the budgets decided from it,
+/// and what the pressure watcher saw (docs/STATUS.md).
+fn memory_status(budgets: &Budgets, guard: &Guard) -> serde_json::Value {
+    use std::sync::atomic::Ordering::Relaxed;
+    let limits = guard.limits();
+    let stats = guard.stats();
+    serde_json::json!({
+        "limit": budgets.limit.bytes,
+        "limit_source": budgets.limit.source.kind(),
+        "limit_from": budgets.limit.source.to_string(),
+        "machine": limits.machine,
+        "cgroup": limits.cgroup_limit.as_ref().map(|l| l.bytes),
+        "rlimit_as": limits.rlimits.address_space,
+        "rlimit_data": limits.rlimits.data,
+        "passthrough_budget": budgets.passthrough_memory,
+        "cache_budget": budgets.block_cache,
+        "reserved": budgets.reserved,
+        "in_use": guard.usage(),
+        "give_back_above": guard.marks().high,
+        "pressure_episodes": stats.episodes.load(Relaxed),
+        "given_back": stats.given_back.load(Relaxed),
+    })
 }
 
 fn spawn(name: &str, f: impl FnOnce() + Send + 'static) -> Result<()> {

@@ -11,7 +11,8 @@ use fuser::{
 };
 
 use crate::metrics::Stats;
-use crate::passthrough::{Copies, Opened, Opens, ServeMode};
+use crate::passthrough::{Copies, Opened, Opens, Reclaim, ServeMode};
+use crate::pressure::Guard;
 use crate::secmem::SecureBuf;
 use crate::view::{Ino, Kind, View};
 
@@ -45,13 +46,19 @@ pub struct KllmFs {
 
 impl KllmFs {
     /// `copies`: how decoded copies are made and kept in passthrough mode.
-    pub fn new(view: Arc<View>, mode: Arc<ServeMode>, copies: Copies) -> KllmFs {
+    /// `guard`: the memory limit a passthrough decode must leave room under.
+    pub fn new(view: Arc<View>, mode: Arc<ServeMode>, copies: Copies, guard: Arc<Guard>) -> KllmFs {
         KllmFs {
-            opens: Opens::new(view.clone(), mode, copies),
+            opens: Opens::new(view.clone(), mode, copies).with_guard(guard),
             view,
             on_destroy: None,
             direct_io_mmap: false,
         }
+    }
+
+    /// What can be given back under memory pressure (src/pressure.rs).
+    pub fn reclaim(&self) -> Reclaim {
+        self.opens.reclaim()
     }
 
     /// Run `f` when the session ends. fuser 0.18 unmounts the mount point path again when

@@ -11,7 +11,7 @@
 //! of each inode to answer every open in the mode the kernel accepts. It is generic over
 //! the kernel's backing handle so it can be tested without a kernel.
 
-use std::collections::HashMap;
+use std::collections::{HashMap, HashSet};
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -20,6 +20,7 @@ use parking_lot::{Condvar, Mutex};
 
 use crate::fill::{Fill, Priority};
 use crate::memfs::{MemoryFile, MemoryFs};
+use crate::pressure::Guard;
 use crate::view::{Content, Ino, Node, View};
 use crate::{Error, ReadError, Result};
 
@@ -41,6 +42,8 @@ pub struct ServeMode {
     memory: Option<MemoryFs>,
     on: AtomicBool,
     why_not: Mutex<Option<String>>,
+    /// The other budgets and the limit they come from, for the log line.
+    note: Option<String>,
 }
 
 impl ServeMode {
@@ -61,6 +64,7 @@ impl ServeMode {
                 memory: Some(m),
                 on: AtomicBool::new(true),
                 why_not: Mutex::new(None),
+                note: None,
             }),
             Err(why) if requested == Requested::Passthrough => Err(Error::new(format!(
                 "--mode passthrough is not possible here: {why}"
@@ -70,8 +74,15 @@ impl ServeMode {
                 memory: None,
                 on: AtomicBool::new(false),
                 why_not: Mutex::new(Some(why)),
+                note: None,
             }),
         }
+    }
+
+    /// What the startup log line adds after the mode: the budgets and their limit.
+    pub fn with_note(mut self, note: String) -> ServeMode {
+        self.note = Some(note);
+        self
     }
 
     pub fn requested(&self) -> Requested {
@@ -119,13 +130,14 @@ impl ServeMode {
 
     /// The one log line saying which mode is in use and why.
     pub fn log(&self) {
+        let note = self.note.as_deref().unwrap_or("");
         match (self.describe(), &self.memory) {
             (("passthrough", _), Some(m)) => log::warn!(
-                "serving in passthrough mode: the kernel reads decoded shards from private memory (budget {} MiB)",
+                "serving in passthrough mode: the kernel reads decoded shards from private memory (budget {} MiB; {note})",
                 m.budget() >> 20
             ),
             ((_, why), _) => log::warn!(
-                "serving through FUSE: {}",
+                "serving through FUSE: {} ({note})",
                 why.unwrap_or_else(|| "passthrough unavailable".into())
             ),
         }
@@ -168,6 +180,9 @@ pub struct Opens<B> {
     mode: Arc<ServeMode>,
     table: Arc<OpenTable<B>>,
     copies: Copies,
+    guard: Option<Arc<Guard>>,
+    /// Files already logged as served through FUSE for lack of memory.
+    told: Arc<Mutex<HashSet<Ino>>>,
 }
 
 impl<B: Send + Sync + 'static> Opens<B> {
@@ -177,6 +192,33 @@ impl<B: Send + Sync + 'static> Opens<B> {
             mode,
             table: Arc::new(OpenTable::new(copies.grace)),
             copies,
+            guard: None,
+            told: Arc::new(Mutex::new(HashSet::new())),
+        }
+    }
+
+    /// Decode a shard only while the memory limit has room for it (src/pressure.rs).
+    pub fn with_guard(mut self, guard: Arc<Guard>) -> Opens<B> {
+        self.guard = Some(guard);
+        self
+    }
+
+    /// What can be given back under memory pressure.
+    pub fn reclaim(&self) -> Reclaim {
+        let table = self.table.clone();
+        Reclaim {
+            copies: Arc::new(move |bytes| table.make_room(bytes)),
+            view: self.view.clone(),
+        }
+    }
+
+    /// What a new decoded copy needs checked first: the memory limit's room, and how to
+    /// say once why a file is served through FUSE.
+    fn copy_rules(&self) -> CopyRules {
+        CopyRules {
+            guard: self.guard.clone(),
+            reclaim: self.reclaim(),
+            told: self.told.clone(),
         }
     }
 
@@ -215,11 +257,13 @@ impl<B: Send + Sync + 'static> Opens<B> {
             let start = {
                 let (view, mode, table) =
                     (self.view.clone(), self.mode.clone(), self.table.clone());
+                let rules = self.copy_rules();
                 move |ino: Ino, rank: usize| {
                     let Some(memory) = mode.passthrough() else {
                         return Ahead::Skipped;
                     };
-                    let start = || start_copy(&view, memory, &table, ino, Priority::Ahead, false);
+                    let start =
+                        || start_copy(&view, memory, &table, &rules, ino, Priority::Ahead, false);
                     table.decode_ahead(ino, rank, start)
                 }
             };
@@ -300,7 +344,18 @@ impl<B: Send + Sync + 'static> Opens<B> {
                     }
                 });
         }
-        let start = || start_copy(&self.view, memory, &self.table, ino, Priority::Demand, true);
+        let rules = self.copy_rules();
+        let start = || {
+            start_copy(
+                &self.view,
+                memory,
+                &self.table,
+                &rules,
+                ino,
+                Priority::Demand,
+                true,
+            )
+        };
         let make = |m: &Arc<MemoryFile>| self.backing(ino, m.file(), Some(m.clone()), open_backing);
         let policy = OpenPolicy {
             wait: self.copies.open_wait,
@@ -354,19 +409,74 @@ impl<B: Send + Sync + 'static> Opens<B> {
     }
 }
 
-/// Start a decoded copy of file `ino` in `memory`. When the budget is full and
-/// `make_room`, copies no handle uses are let go first (see [`OpenTable::make_room`]).
-/// `None` (logged) when there is no room or no copy could be made: the file is then served
-/// through FUSE.
+/// What a new decoded copy is checked against: the memory limit (src/pressure.rs), what can
+/// be given back to make room under it, and the files already said to go through FUSE.
+struct CopyRules {
+    guard: Option<Arc<Guard>>,
+    reclaim: Reclaim,
+    told: Arc<Mutex<HashSet<Ino>>>,
+}
+
+impl CopyRules {
+    /// Whether the memory limit has room for `bytes` more, after giving back what must be
+    /// (only when `give_back`: decoding ahead never lets other copies go).
+    fn room_for(&self, bytes: u64, give_back: bool) -> bool {
+        let Some(guard) = &self.guard else {
+            return true;
+        };
+        match guard.shortfall(bytes) {
+            0 => true,
+            short if give_back => self.reclaim.give_back(short) > 0 && guard.room_for(bytes),
+            _ => false,
+        }
+    }
+
+    /// Log once per file why it is served through FUSE.
+    fn tell_once(&self, view: &View, ino: Ino, why: std::fmt::Arguments<'_>) {
+        if self.told.lock().insert(ino) {
+            log::warn!("{}: {why}; served through FUSE", view.path_of(ino));
+        }
+    }
+}
+
+/// Start a decoded copy of file `ino` in `memory`. A file larger than the whole budget is
+/// never copied. When the budget or the memory limit is full and `make_room`, copies no
+/// handle uses are let go first (see [`OpenTable::make_room`]). `None` (said once per file)
+/// when there is no room or no copy could be made: the file is then served through FUSE.
 fn start_copy<B>(
     view: &Arc<View>,
     memory: &MemoryFs,
     table: &OpenTable<B>,
+    rules: &CopyRules,
     ino: Ino,
     priority: Priority,
     make_room: bool,
 ) -> Option<Arc<Fill>> {
     let len = view.node(ino)?.attr.size;
+    if len > memory.budget() {
+        if make_room {
+            rules.tell_once(
+                view,
+                ino,
+                format_args!(
+                    "its {} MiB do not fit the passthrough memory ({} MiB)",
+                    len >> 20,
+                    memory.budget() >> 20
+                ),
+            );
+        }
+        return None;
+    }
+    if !rules.room_for(len, make_room) {
+        if make_room {
+            rules.tell_once(
+                view,
+                ino,
+                format_args!("the memory limit has no room for its {} MiB now", len >> 20),
+            );
+        }
+        return None;
+    }
     let mut reservation = memory.reserve(len);
     if reservation.is_none() && make_room && table.make_room(len) > 0 {
         // What was let go is freed as its fill threads stop (within one chunk).
@@ -394,6 +504,31 @@ fn start_copy<B>(
             );
             None
         }
+    }
+}
+
+/// What a mount can let go of at any time, to stay under its memory limit: decoded copies
+/// no file uses (closed longest ago first, then those decoded ahead), then the FUSE path's
+/// cached blocks, then the wiped buffers kept for reuse. Shared with the pressure watcher
+/// (src/pressure.rs).
+#[derive(Clone)]
+pub struct Reclaim {
+    copies: Arc<dyn Fn(u64) -> u64 + Send + Sync>,
+    view: Arc<View>,
+}
+
+impl Reclaim {
+    /// Free at least `bytes` if that much can be freed; returns the bytes freed. A copy
+    /// still mapped by a reader is freed by the kernel at its last unmap.
+    pub fn give_back(&self, bytes: u64) -> u64 {
+        let mut freed = (self.copies)(bytes);
+        if freed < bytes {
+            freed += self.view.cache().shed(bytes - freed);
+        }
+        if freed < bytes {
+            freed += crate::secmem::drain_pool();
+        }
+        freed
     }
 }
 

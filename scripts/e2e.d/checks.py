@@ -22,6 +22,9 @@ check failed. The subcommands, in the order scripts/e2e runs them:
                                  greedy text equal to the original's
   mlx MNT ORIG                   mlx-lm from the mount: greedy text equal to the
                                  original's (mlx-lm on the original)
+  sglang MNT REF                 SGLang's loader on the mount: safetensors_weights_iterator
+                                 (default, disable_mmap, prefetch, both), get_config and
+                                 get_tokenizer give what they give on kLLM's unlocked view
 
 The key comes from --key FILE (KLLM_PASSPHRASE for a passphrase file) or --key-hex.
 """
@@ -292,108 +295,132 @@ def cmd_v1_readback(args) -> int:
 
 # ---------------------------------------------------------------------------- the view
 
+class View:
+    """A mounted model and what it must show: the sealed directory and kLLM's unlocked
+    view of it (the reference)."""
+
+    def __init__(self, args):
+        self.mnt, self.sealed, self.ref = Path(args.mnt), Path(args.sealed), Path(args.ref)
+
+
+@guarded("listing")
+def view_listing(view: View):
+    mnt, ref = view.mnt, view.ref
+    got, want = rel_files(mnt), rel_files(ref)
+    extra, missing = sorted(set(got) - set(want)), sorted(set(want) - set(got))
+    return got == want, f"{len(got)} files" + (
+        f"; extra {extra} missing {missing}" if extra or missing else "")
+
+
+@guarded("hidden")
+def view_hidden(view: View):
+    mnt = view.mnt
+    bad = []
+    for name in HIDDEN:
+        if name in os.listdir(mnt):
+            bad.append(f"{name} listed")
+        try:
+            os.stat(mnt / name)
+            bad.append(f"{name} stat succeeds")
+        except FileNotFoundError:
+            pass
+    return not bad, ", ".join(bad) or "trusted.kllm and kllm.key absent (ENOENT)"
+
+
+@guarded("config.json")
+def view_config(view: View):
+    mnt, sealed = view.mnt, view.sealed
+    got = json.loads((mnt / "config.json").read_bytes())
+    want = json.loads((sealed / "config.json").read_bytes())
+    want["kllm"].pop("lock", None)
+    return got == want, ("the sealed config without kllm.lock" if got == want else
+                         f"got kllm={got.get('kllm')}")
+
+
+@guarded("secret-files")
+def view_secret_files(view: View):
+    mnt, ref = view.mnt, view.ref
+    from kllm.keyed import keys  # noqa: F401 - the secret files come from the reference
+    bad, names = [], []
+    for name in ("tokenizer.json", "vocab.json"):
+        if (ref / name).exists():
+            names.append(name)
+            if (mnt / name).read_bytes() != (ref / name).read_bytes():
+                bad.append(name)
+    return names and not bad, (f"differ from trusted.kllm: {bad}" if bad else
+                               f"{', '.join(names)} equal to trusted.kllm's")
+
+
+@guarded("other-files")
+def view_other_files(view: View):
+    mnt, sealed, ref = view.mnt, view.sealed, view.ref
+    bad, n = [], 0
+    for rel in rel_files(ref):
+        if rel.endswith(".safetensors") or rel in ("config.json", "tokenizer.json",
+                                                    "vocab.json"):
+            continue
+        n += 1
+        if (mnt / rel).read_bytes() != (sealed / rel).read_bytes():
+            bad.append(rel)
+    return not bad, f"{n} files byte-equal to the sealed ones" + (f"; differ {bad}" if bad
+                                                                 else "")
+
+
+@guarded("shard-headers")
+def view_shard_headers(view: View):
+    mnt, sealed, ref = view.mnt, view.sealed, view.ref
+    bad = []
+    for rel in shards(ref):
+        st_m, st_s = os.stat(mnt / rel), os.stat(sealed / rel)
+        if st_m.st_size != st_s.st_size:
+            bad.append(f"{rel}: size {st_m.st_size} != {st_s.st_size}")
+            continue
+        nm, hm = read_header(mnt / rel)
+        ns, hs = read_header(sealed / rel)
+        meta = dict(hs.get("__metadata__") or {})
+        meta.pop("kllm.lock", None)
+        want = {k: v for k, v in hs.items() if k != "__metadata__"}
+        if meta:
+            want["__metadata__"] = meta
+        got = dict(hm)
+        if not got.get("__metadata__"):
+            got.pop("__metadata__", None)
+        if nm != ns:
+            bad.append(f"{rel}: header length {nm} != {ns}")
+        if got != want:
+            diff = sorted(k for k in set(got) | set(want) if got.get(k) != want.get(k))
+            bad.append(f"{rel}: header differs at {diff[:5]}")
+        raw = (mnt / rel).open("rb").read(8 + nm)[8:]
+        if "kllm.lock" in raw.decode("utf-8", "replace"):
+            bad.append(f"{rel}: kllm.lock still in the header")
+    return not bad, "; ".join(bad) or f"{len(shards(ref))} shards: same size, offsets, " \
+                                      "header without kllm.lock"
+
+
+@guarded("read-only")
+def view_read_only(view: View):
+    mnt = view.mnt
+    bad = []
+    for rel, mode in (("config.json", "r+b"), ("new-file", "wb")):
+        try:
+            with open(mnt / rel, mode) as f:
+                f.write(b"x")
+            bad.append(f"open({rel}, {mode}) succeeded")
+        except OSError as e:
+            if e.errno not in (errno.EROFS, errno.EACCES, errno.EPERM):
+                bad.append(f"{rel}: {e}")
+    return not bad, "; ".join(bad) or "writes refused"
+
+
+VIEW_CHECKS = (view_listing, view_hidden, view_config, view_secret_files, view_other_files, view_shard_headers, view_read_only)
+
+
 def cmd_view(args) -> int:
     global CASE
     CASE = args.case
-    mnt, sealed, ref = Path(args.mnt), Path(args.sealed), Path(args.ref)
-
-    @guarded("listing")
-    def listing():
-        got, want = rel_files(mnt), rel_files(ref)
-        extra, missing = sorted(set(got) - set(want)), sorted(set(want) - set(got))
-        return got == want, f"{len(got)} files" + (
-            f"; extra {extra} missing {missing}" if extra or missing else "")
-
-    @guarded("hidden")
-    def hidden():
-        bad = []
-        for name in HIDDEN:
-            if name in os.listdir(mnt):
-                bad.append(f"{name} listed")
-            try:
-                os.stat(mnt / name)
-                bad.append(f"{name} stat succeeds")
-            except FileNotFoundError:
-                pass
-        return not bad, ", ".join(bad) or "trusted.kllm and kllm.key absent (ENOENT)"
-
-    @guarded("config.json")
-    def config():
-        got = json.loads((mnt / "config.json").read_bytes())
-        want = json.loads((sealed / "config.json").read_bytes())
-        want["kllm"].pop("lock", None)
-        return got == want, ("the sealed config without kllm.lock" if got == want else
-                             f"got kllm={got.get('kllm')}")
-
-    @guarded("secret-files")
-    def secret():
-        from kllm.keyed import keys  # noqa: F401 - the secret files come from the reference
-        bad, names = [], []
-        for name in ("tokenizer.json", "vocab.json"):
-            if (ref / name).exists():
-                names.append(name)
-                if (mnt / name).read_bytes() != (ref / name).read_bytes():
-                    bad.append(name)
-        return names and not bad, (f"differ from trusted.kllm: {bad}" if bad else
-                                   f"{', '.join(names)} equal to trusted.kllm's")
-
-    @guarded("other-files")
-    def others():
-        bad, n = [], 0
-        for rel in rel_files(ref):
-            if rel.endswith(".safetensors") or rel in ("config.json", "tokenizer.json",
-                                                        "vocab.json"):
-                continue
-            n += 1
-            if (mnt / rel).read_bytes() != (sealed / rel).read_bytes():
-                bad.append(rel)
-        return not bad, f"{n} files byte-equal to the sealed ones" + (f"; differ {bad}" if bad
-                                                                     else "")
-
-    @guarded("shard-headers")
-    def headers():
-        bad = []
-        for rel in shards(ref):
-            st_m, st_s = os.stat(mnt / rel), os.stat(sealed / rel)
-            if st_m.st_size != st_s.st_size:
-                bad.append(f"{rel}: size {st_m.st_size} != {st_s.st_size}")
-                continue
-            nm, hm = read_header(mnt / rel)
-            ns, hs = read_header(sealed / rel)
-            meta = dict(hs.get("__metadata__") or {})
-            meta.pop("kllm.lock", None)
-            want = {k: v for k, v in hs.items() if k != "__metadata__"}
-            if meta:
-                want["__metadata__"] = meta
-            got = dict(hm)
-            if not got.get("__metadata__"):
-                got.pop("__metadata__", None)
-            if nm != ns:
-                bad.append(f"{rel}: header length {nm} != {ns}")
-            if got != want:
-                diff = sorted(k for k in set(got) | set(want) if got.get(k) != want.get(k))
-                bad.append(f"{rel}: header differs at {diff[:5]}")
-            raw = (mnt / rel).open("rb").read(8 + nm)[8:]
-            if "kllm.lock" in raw.decode("utf-8", "replace"):
-                bad.append(f"{rel}: kllm.lock still in the header")
-        return not bad, "; ".join(bad) or f"{len(shards(ref))} shards: same size, offsets, " \
-                                          "header without kllm.lock"
-
-    @guarded("read-only")
-    def readonly():
-        bad = []
-        for rel, mode in (("config.json", "r+b"), ("new-file", "wb")):
-            try:
-                with open(mnt / rel, mode) as f:
-                    f.write(b"x")
-                bad.append(f"open({rel}, {mode}) succeeded")
-            except OSError as e:
-                if e.errno not in (errno.EROFS, errno.EACCES, errno.EPERM):
-                    bad.append(f"{rel}: {e}")
-        return not bad, "; ".join(bad) or "writes refused"
-
-    for fn in (listing, hidden, config, secret, others, headers, readonly):
-        fn()
+    view = View(args)
+    for check in VIEW_CHECKS:
+        check(view)
     return 1 if FAILED else 0
 
 
@@ -446,205 +473,297 @@ def _tp_worker(path_list, rank, world, barrier, out_q):
         out_q.put((rank, None, f"{type(exc).__name__}: {exc}"))
 
 
-def cmd_loaders(args) -> int:
-    global CASE
-    CASE = args.case
-    import torch  # noqa: F401
-    from safetensors.torch import load as st_load
+class Loading:
+    """A mounted model, kLLM's unlocked view of it (the reference) and, for each shard,
+    the tensors and data bytes the engines must read from the mount."""
 
-    mnt, sealed, ref = Path(args.mnt), Path(args.sealed), Path(args.ref)
-    rels = shards(ref)
-    refs = {rel: ref_tensors(ref, rel) for rel in rels}
-    expected = {rel: expected_data(sealed, ref, rel) for rel in rels}
-    total = sum((mnt / r).stat().st_size for r in rels)
+    def __init__(self, args):
+        import torch  # noqa: F401
 
-    def drop_caches():
+        self.mnt, self.sealed, self.ref = Path(args.mnt), Path(args.sealed), Path(args.ref)
+        self.rels = shards(self.ref)
+        self.refs = {rel: ref_tensors(self.ref, rel) for rel in self.rels}
+        self.expected = {rel: expected_data(self.sealed, self.ref, rel) for rel in self.rels}
+        self.total = sum((self.mnt / r).stat().st_size for r in self.rels)
+
+    def drop_caches(self):
         """Evict the mount's pages from the kernel's cache where we may (root), so each
         loader reads through the FUSE file system and not from an earlier loader's pages."""
-        for rel in rels:
+        for rel in self.rels:
             try:
-                fd = os.open(mnt / rel, os.O_RDONLY)
+                fd = os.open(self.mnt / rel, os.O_RDONLY)
                 os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
                 os.close(fd)
             except OSError:
                 pass
 
-    @guarded("safe_open-mmap")
-    def mmap_lazy():
-        """vLLM's default (lazy) and SGLang's loader: safe_open over mmap, page faults."""
-        drop_caches()
-        bad = []
-        for rel in rels:
-            bad += compare_tensors(_mmap_load(str(mnt / rel)), refs[rel], rel)
-        return not bad, "; ".join(bad[:5]) or f"{sum(map(len, refs.values()))} tensors " \
-                                              f"equal to unlock_dir's"
 
-    @guarded("whole-file-read")
-    def eager():
-        """vLLM eager: safetensors.torch.load(open(f, 'rb').read())."""
-        drop_caches()
-        bad = []
-        for rel in rels:
-            with open(mnt / rel, "rb") as f:
-                raw = f.read()
-            start, data, spans = expected[rel]
-            off = first_diff(raw[start:], data)
-            if len(raw) != start + len(data):
-                bad.append(f"{rel}: read {len(raw)} bytes, want {start + len(data)}")
-            elif off is not None:
-                bad.append(f"{rel}: first wrong byte at file offset {start + off}, in "
-                           f"{where(spans, start, start + off)}")
-            bad += compare_tensors(st_load(raw), refs[rel], rel)
-        return not bad, "; ".join(bad[:5]) or f"{len(rels)} shards, {total} bytes exact"
+@guarded("safe_open-mmap")
+def loader_safe_open_mmap(c: Loading):
+    """vLLM's default (lazy) and SGLang's loader: safe_open over mmap, page faults."""
+    mnt, rels, refs = c.mnt, c.rels, c.refs
+    c.drop_caches()
+    bad = []
+    for rel in rels:
+        bad += compare_tensors(_mmap_load(str(mnt / rel)), refs[rel], rel)
+    return not bad, "; ".join(bad[:5]) or f"{sum(map(len, refs.values()))} tensors " \
+                                          f"equal to unlock_dir's"
 
-    @guarded("prefetch-8x16MiB")
-    def prefetch():
-        """vLLM's prefetch strategy: a pool of 8 threads, one shard each, reads every shard
-        start to end in 16 MiB reads (to fill the page cache) while the loader maps the
-        same files with safe_open. Every block read must hold the expected bytes."""
-        drop_caches()
-        bad, lock = [], threading.Lock()
-        blocks = [0]
 
-        def whole(rel):
-            start, data, spans = expected[rel]
-            with open(mnt / rel, "rb") as f:
-                head = None
-                off = 0
-                while True:
-                    chunk = f.read(BLOCK)
-                    if not chunk:
-                        break
-                    if head is None:
-                        n = struct.unpack("<Q", chunk[:8])[0]
-                        head = chunk[:8 + n]
-                    want = (head + data)[off:off + len(chunk)]
-                    d = first_diff(chunk, want)
-                    with lock:
-                        blocks[0] += 1
-                        if d is not None:
-                            bad.append(f"{rel}: 16 MiB read at {off}: first wrong byte at "
-                                       f"file offset {off + d}, in {where(spans, start, off + d)}")
-                    off += len(chunk)
-                if off != start + len(data):
-                    with lock:
-                        bad.append(f"{rel}: read {off} bytes to EOF, want {start + len(data)}")
+@guarded("whole-file-read")
+def loader_whole_file_read(c: Loading):
+    """vLLM eager: safetensors.torch.load(open(f, 'rb').read())."""
+    from safetensors.torch import load as st_load
 
-        with ThreadPoolExecutor(8) as pool:
-            futs = [pool.submit(whole, rel) for rel in rels]
-            loaded = {rel: _mmap_load(str(mnt / rel)) for rel in rels}  # meanwhile
-            for f in futs:
-                f.result()
-        for rel in rels:
-            bad += compare_tensors(loaded[rel], refs[rel], rel)
-        return not bad, "; ".join(bad[:5]) or f"{blocks[0]} reads of 16 MiB exact, " \
-                                              "tensors equal"
+    mnt, rels, refs, expected, total = c.mnt, c.rels, c.refs, c.expected, c.total
+    c.drop_caches()
+    bad = []
+    for rel in rels:
+        with open(mnt / rel, "rb") as f:
+            raw = f.read()
+        start, data, spans = expected[rel]
+        off = first_diff(raw[start:], data)
+        if len(raw) != start + len(data):
+            bad.append(f"{rel}: read {len(raw)} bytes, want {start + len(data)}")
+        elif off is not None:
+            bad.append(f"{rel}: first wrong byte at file offset {start + off}, in "
+                       f"{where(spans, start, start + off)}")
+        bad += compare_tensors(st_load(raw), refs[rel], rel)
+    return not bad, "; ".join(bad[:5]) or f"{len(rels)} shards, {total} bytes exact"
 
-    @guarded("pread-blocks-8threads")
-    def blocks8():
-        """Harder than any engine: 8 threads pread 16 MiB blocks at once from anywhere in
-        every shard, so one file is read at several places at the same time."""
-        drop_caches()
-        bad, lock = [], threading.Lock()
-        jobs = []
-        for rel in rels:
-            size = (mnt / rel).stat().st_size
-            jobs += [(rel, off, min(BLOCK, size - off)) for off in range(0, size, BLOCK // 2)]
-        random.Random(3).shuffle(jobs)
-        fds = {rel: os.open(mnt / rel, os.O_RDONLY) for rel in rels}
-        heads = {}
-        for rel in rels:
-            n = struct.unpack("<Q", os.pread(fds[rel], 8, 0))[0]
-            heads[rel] = os.pread(fds[rel], 8 + n, 0)
 
-        def block(job):
-            rel, off, n = job
-            got = b""
-            while len(got) < n:
-                chunk = os.pread(fds[rel], n - len(got), off + len(got))
+@guarded("prefetch-8x16MiB")
+def loader_prefetch(c: Loading):
+    """vLLM's prefetch strategy: a pool of 8 threads, one shard each, reads every shard
+    start to end in 16 MiB reads (to fill the page cache) while the loader maps the
+    same files with safe_open. Every block read must hold the expected bytes."""
+    mnt, rels, refs, expected = c.mnt, c.rels, c.refs, c.expected
+    c.drop_caches()
+    bad, lock = [], threading.Lock()
+    blocks = [0]
+
+    def whole(rel):
+        start, data, spans = expected[rel]
+        with open(mnt / rel, "rb") as f:
+            head = None
+            off = 0
+            while True:
+                chunk = f.read(BLOCK)
                 if not chunk:
                     break
-                got += chunk
-            start, data, spans = expected[rel]
-            want = (heads[rel] + data)[off:off + n]
+                if head is None:
+                    n = struct.unpack("<Q", chunk[:8])[0]
+                    head = chunk[:8 + n]
+                want = (head + data)[off:off + len(chunk)]
+                d = first_diff(chunk, want)
+                with lock:
+                    blocks[0] += 1
+                    if d is not None:
+                        bad.append(f"{rel}: 16 MiB read at {off}: first wrong byte at "
+                                   f"file offset {off + d}, in {where(spans, start, off + d)}")
+                off += len(chunk)
+            if off != start + len(data):
+                with lock:
+                    bad.append(f"{rel}: read {off} bytes to EOF, want {start + len(data)}")
+
+    with ThreadPoolExecutor(8) as pool:
+        futs = [pool.submit(whole, rel) for rel in rels]
+        loaded = {rel: _mmap_load(str(mnt / rel)) for rel in rels}  # meanwhile
+        for f in futs:
+            f.result()
+    for rel in rels:
+        bad += compare_tensors(loaded[rel], refs[rel], rel)
+    return not bad, "; ".join(bad[:5]) or f"{blocks[0]} reads of 16 MiB exact, " \
+                                          "tensors equal"
+
+
+@guarded("pread-blocks-8threads")
+def loader_pread_blocks_8threads(c: Loading):
+    """Harder than any engine: 8 threads pread 16 MiB blocks at once from anywhere in
+    every shard, so one file is read at several places at the same time."""
+    mnt, rels, expected = c.mnt, c.rels, c.expected
+    c.drop_caches()
+    bad, lock = [], threading.Lock()
+    jobs = []
+    for rel in rels:
+        size = (mnt / rel).stat().st_size
+        jobs += [(rel, off, min(BLOCK, size - off)) for off in range(0, size, BLOCK // 2)]
+    random.Random(3).shuffle(jobs)
+    fds = {rel: os.open(mnt / rel, os.O_RDONLY) for rel in rels}
+    heads = {}
+    for rel in rels:
+        n = struct.unpack("<Q", os.pread(fds[rel], 8, 0))[0]
+        heads[rel] = os.pread(fds[rel], 8 + n, 0)
+
+    def block(job):
+        rel, off, n = job
+        got = b""
+        while len(got) < n:
+            chunk = os.pread(fds[rel], n - len(got), off + len(got))
+            if not chunk:
+                break
+            got += chunk
+        start, data, spans = expected[rel]
+        want = (heads[rel] + data)[off:off + n]
+        d = first_diff(got, want)
+        if d is not None:
+            with lock:
+                bad.append(f"{rel}: pread({n}, {off}): first wrong byte at file offset "
+                           f"{off + d} ({len(got)} bytes read), in "
+                           f"{where(spans, start, off + d)}")
+
+    try:
+        with ThreadPoolExecutor(8) as pool:
+            list(pool.map(block, jobs))
+    finally:
+        for fd in fds.values():
+            os.close(fd)
+    return not bad, "; ".join(bad[:5]) or f"{len(jobs)} overlapping blocks exact"
+
+
+@guarded("tensor-parallel-4proc")
+def loader_tensor_parallel(c: Loading):
+    """Four processes open the same shards at once and each takes its slice."""
+    mnt, rels, refs = c.mnt, c.rels, c.refs
+    import multiprocessing as mp
+
+    c.drop_caches()
+    world = 4
+    ctx = mp.get_context("spawn")
+    barrier, q = ctx.Barrier(world), ctx.Queue()
+    paths = [str(mnt / r) for r in rels]
+    procs = [ctx.Process(target=_tp_worker, args=(paths, r, world, barrier, q))
+             for r in range(world)]
+    for p in procs:
+        p.start()
+    results = [q.get(timeout=600) for _ in procs]
+    for p in procs:
+        p.join(timeout=60)
+    bad = [f"rank {r}: {err}" for r, _, err in results if err]
+    for rank, digests, err in results:
+        if err:
+            continue
+        for rel in rels:
+            for n, t in refs[rel].items():
+                if t.dim() == 2 and t.shape[0] % world == 0:
+                    k = t.shape[0] // world
+                    t = t[rank * k:(rank + 1) * k]
+                want = hashlib.sha256(tensor_bytes(t)).hexdigest()
+                if digests.get(f"{Path(rel).name}:{n}") != want:
+                    bad.append(f"rank {rank}: {rel}:{n}")
+    return not bad, "; ".join(bad[:5]) or f"{world} ranks, every slice equal"
+
+
+@guarded("pread-random")
+def loader_pread_random(c: Loading):
+    """Positioned reads at random offsets and lengths (mlx, llama.cpp style), some
+    across tensor boundaries, some past the end."""
+    mnt, rels, expected = c.mnt, c.rels, c.expected
+    rng = random.Random(7)
+    bad, n = [], 0
+    for rel in rels:
+        start, data, spans = expected[rel]
+        fd = os.open(mnt / rel, os.O_RDONLY)
+        size = os.fstat(fd).st_size
+        for i in range(400):
+            if i % 4 == 0 and spans:  # straddle a tensor boundary
+                b, e, _ = rng.choice(spans)
+                off = start + e - rng.randint(1, 3)
+                ln = rng.randint(2, 9)
+            else:
+                off = rng.randrange(start, size)
+                ln = rng.choice((1, 2, 3, 7, 4096, 65537, 1 << 20))
+            got = os.pread(fd, ln, off)
+            want = data[off - start: off - start + ln]
+            n += 1
             d = first_diff(got, want)
             if d is not None:
-                with lock:
-                    bad.append(f"{rel}: pread({n}, {off}): first wrong byte at file offset "
-                               f"{off + d} ({len(got)} bytes read), in "
-                               f"{where(spans, start, off + d)}")
+                bad.append(f"{rel}: pread({ln}, {off}): first wrong byte at offset "
+                           f"{off + d} in {where(spans, start, off + d)}")
+        if os.pread(fd, 16, size) != b"":
+            bad.append(f"{rel}: pread at EOF returned data")
+        os.close(fd)
+    return not bad, "; ".join(bad[:5]) or f"{n} reads exact"
 
-        try:
-            with ThreadPoolExecutor(8) as pool:
-                list(pool.map(block, jobs))
-        finally:
-            for fd in fds.values():
-                os.close(fd)
-        return not bad, "; ".join(bad[:5]) or f"{len(jobs)} overlapping blocks exact"
 
-    @guarded("tensor-parallel-4proc")
-    def tp4():
-        """Four processes open the same shards at once and each takes its slice."""
-        import multiprocessing as mp
+LOADER_CHECKS = (loader_safe_open_mmap, loader_whole_file_read, loader_prefetch, loader_pread_blocks_8threads, loader_tensor_parallel, loader_pread_random)
 
-        drop_caches()
-        world = 4
-        ctx = mp.get_context("spawn")
-        barrier, q = ctx.Barrier(world), ctx.Queue()
-        paths = [str(mnt / r) for r in rels]
-        procs = [ctx.Process(target=_tp_worker, args=(paths, r, world, barrier, q))
-                 for r in range(world)]
-        for p in procs:
-            p.start()
-        results = [q.get(timeout=600) for _ in procs]
-        for p in procs:
-            p.join(timeout=60)
-        bad = [f"rank {r}: {err}" for r, _, err in results if err]
-        for rank, digests, err in results:
-            if err:
-                continue
-            for rel in rels:
-                for n, t in refs[rel].items():
-                    if t.dim() == 2 and t.shape[0] % world == 0:
-                        k = t.shape[0] // world
-                        t = t[rank * k:(rank + 1) * k]
-                    want = hashlib.sha256(tensor_bytes(t)).hexdigest()
-                    if digests.get(f"{Path(rel).name}:{n}") != want:
-                        bad.append(f"rank {rank}: {rel}:{n}")
-        return not bad, "; ".join(bad[:5]) or f"{world} ranks, every slice equal"
 
-    @guarded("pread-random")
-    def pread_random():
-        """Positioned reads at random offsets and lengths (mlx, llama.cpp style), some
-        across tensor boundaries, some past the end."""
-        rng = random.Random(7)
-        bad, n = [], 0
-        for rel in rels:
-            start, data, spans = expected[rel]
-            fd = os.open(mnt / rel, os.O_RDONLY)
-            size = os.fstat(fd).st_size
-            for i in range(400):
-                if i % 4 == 0 and spans:  # straddle a tensor boundary
-                    b, e, _ = rng.choice(spans)
-                    off = start + e - rng.randint(1, 3)
-                    ln = rng.randint(2, 9)
-                else:
-                    off = rng.randrange(start, size)
-                    ln = rng.choice((1, 2, 3, 7, 4096, 65537, 1 << 20))
-                got = os.pread(fd, ln, off)
-                want = data[off - start: off - start + ln]
-                n += 1
-                d = first_diff(got, want)
-                if d is not None:
-                    bad.append(f"{rel}: pread({ln}, {off}): first wrong byte at offset "
-                               f"{off + d} in {where(spans, start, off + d)}")
-            if os.pread(fd, 16, size) != b"":
-                bad.append(f"{rel}: pread at EOF returned data")
-            os.close(fd)
-        return not bad, "; ".join(bad[:5]) or f"{n} reads exact"
+def cmd_loaders(args) -> int:
+    global CASE
+    CASE = args.case
+    loading = Loading(args)
+    for check in LOADER_CHECKS:
+        check(loading)
+    return 1 if FAILED else 0
 
-    for fn in (mmap_lazy, eager, prefetch, blocks8, tp4, pread_random):
-        fn()
+
+# ---------------------------------------------------------------------------- SGLang
+
+SGLANG_ITERATORS = {"default": {}, "disable_mmap": {"disable_mmap": True},
+                    "prefetch": {"prefetch": True},
+                    "disable_mmap+prefetch": {"disable_mmap": True, "prefetch": True}}
+
+
+@guarded("sglang-weights-iterator")
+def sglang_weights_iterator(mnt: Path, ref: Path):
+    """SGLang's safetensors_weights_iterator, each way it reads: the same tensors from the
+    mount as from kLLM's unlocked view."""
+    from sglang.srt.model_loader.weight_utils import safetensors_weights_iterator
+
+    rels = shards(ref)
+    bad = []
+    for variant, kw in SGLANG_ITERATORS.items():
+        got = {n: t.clone() for n, t in safetensors_weights_iterator(
+            [str(mnt / r) for r in rels], **kw)}
+        want = {n: t.clone() for n, t in safetensors_weights_iterator(
+            [str(ref / r) for r in rels], **kw)}
+        if not want:
+            bad.append(f"{variant}: no tensors in the reference")
+        bad += compare_tensors(got, want, variant)
+    return not bad, "; ".join(bad[:5]) or f"{', '.join(SGLANG_ITERATORS)}: every tensor equal"
+
+
+@guarded("sglang-get_config")
+def sglang_get_config(mnt: Path, ref: Path):
+    from sglang.srt.utils.hf_transformers_utils import get_config
+
+    got = get_config(str(mnt), trust_remote_code=False).to_dict()
+    want = get_config(str(ref), trust_remote_code=False).to_dict()
+    for c in (got, want):
+        c.pop("_name_or_path", None)  # the directory it was read from
+    diff = sorted(k for k in set(got) | set(want) if got.get(k) != want.get(k))
+    return not diff, (f"differs at {diff[:5]}" if diff else
+                      f"{got.get('model_type')}, {len(got)} fields equal")
+
+
+@guarded("sglang-get_tokenizer")
+def sglang_get_tokenizer(mnt: Path, ref: Path):
+    from sglang.srt.utils.hf_transformers_utils import get_tokenizer
+
+    def summary(path):
+        tok = get_tokenizer(str(path))
+        chat = tok.apply_chat_template([{"role": "user", "content": PROMPTS[0]}],
+                                       tokenize=False, add_generation_prompt=True)
+        return {"class": type(tok).__name__, "vocab": tok.get_vocab(),
+                "special": tok.special_tokens_map, "chat": chat,
+                "ids": [tok.encode(p) for p in PROMPTS]}
+
+    got, want = summary(mnt), summary(ref)
+    diff = sorted(k for k in want if got[k] != want[k])
+    return not diff, (f"differs in {diff}" if diff else
+                      f"{got['class']}, {len(got['vocab'])} tokens, encodings and chat "
+                      "template equal")
+
+
+def cmd_sglang(args) -> int:
+    """SGLang's loader (what `sglang --model-path` runs) on the mount against kLLM's
+    unlocked view: its weight iterators, get_config and get_tokenizer."""
+    global CASE
+    CASE = args.case
+    mnt, ref = Path(args.mnt), Path(args.ref)
+    for check in (sglang_weights_iterator, sglang_get_config, sglang_get_tokenizer):
+        check(mnt, ref)
     return 1 if FAILED else 0
 
 
@@ -763,11 +882,13 @@ def main() -> int:
     add("loaders", "mnt", "sealed", "ref")
     add("transformers", "mnt", "orig")
     add("mlx", "mnt", "orig")
+    add("sglang", "mnt", "ref")
     args = ap.parse_args()
     fn = {
         "reference": cmd_reference, "unlock": cmd_unlock, "lock-v1-python": cmd_lock_v1_python,
         "v1-readback": cmd_v1_readback, "generate-ref": cmd_generate_ref, "view": cmd_view,
         "loaders": cmd_loaders, "transformers": cmd_transformers, "mlx": cmd_mlx,
+        "sglang": cmd_sglang,
     }[args.cmd]
     return fn(args)
 
