@@ -2,12 +2,15 @@
 //!
 //! A whole-shard decode takes seconds for a real shard (2-10 GB), and the kernel can hand a
 //! backing file to passthrough opens only once it is complete. A `Fill` lets the first
-//! readers start at once: one dispatcher thread decodes the file in order, a chunk at a
-//! time on all cores; a reader that needs a chunk not yet decoded waits for it and moves
-//! the dispatcher there (then on from there: a sequential reader keeps the decoder just
-//! ahead of it); a prefetch thread asks the kernel for the sealed bytes a window ahead, so
-//! the disk reads while the cores decode. Once every chunk is decoded and the file's
-//! integrity verdict is in, the file is sealed read-only and handed out for passthrough.
+//! readers start at once: one dispatcher thread makes the file in order, a chunk at a time:
+//! it allocates the chunk's memory (the allocation step sets the folio size), fetches its
+//! sealed bytes into place (`O_DIRECT` from disk when they are not cached) and has all cores
+//! unlock them in place, fetching the next chunk meanwhile so the disk and the decode
+//! overlap. A reader that needs a chunk not yet decoded waits for it and moves the
+//! dispatcher there (then on from there: a sequential reader keeps the decoder just ahead of
+//! it). Without `O_DIRECT` a prefetch thread asks the kernel for the sealed bytes a window
+//! ahead instead. Once every chunk is decoded and the file's integrity verdict is in, the
+//! file is sealed read-only and handed out for passthrough.
 //!
 //! A chunk that fails to decode (a corrupt value, an I/O error, a rewritten sealed file) is
 //! never served from memory: a read that touches it decodes exactly its own range, which
@@ -216,8 +219,8 @@ impl Fill {
     }
 
     /// Decode file `ino` of the view into a new file of `memory`, whose budget
-    /// `reservation` claims. Reads are checked against the manifest the view holds for
-    /// the file, and the sealed bytes are read ahead of the decoder.
+    /// `reservation` claims. Nothing is served before the file's manifest verdict (if the
+    /// view has one for it) is good.
     pub fn of_view(
         view: &Arc<View>,
         ino: Ino,
