@@ -1,10 +1,11 @@
 //! How much memory a mount uses for decoded data, decided in one place from the flags and
 //! the memory the process may use (src/limits.rs).
 //!
-//! Three budgets: the private memory of passthrough mode (`--passthrough-memory`), the
-//! decoded shards kept there after their last close, and the FUSE path's block cache (both
-//! `--cache-size`). [`Budgets::decide`] is the whole rule. Decoded shards live in the
-//! private memory, kept ones included, so what the daemon holds by default is at most the
+//! Two budgets: the private memory of passthrough mode (`--passthrough-memory`), which holds
+//! every decoded copy (open, filling, decoded ahead, kept for `--keep-decoded` after the
+//! last close), and the FUSE path's block cache (`--cache-size`). [`Budgets::decide`] is the
+//! whole rule. Decoded shards live in the private memory, kept ones included, so what the
+//! daemon holds by default is at most the
 //! passthrough memory, the block cache and its own working memory ([`headroom`]), which
 //! together stay within the limit: a container or unit with a memory limit is never pushed
 //! past it by default, and a shard that does not fit is served through FUSE.
@@ -19,7 +20,7 @@ pub const DEFAULT_CACHE: u64 = 256 * MIB;
 /// The memory flags as given on the command line (`None`: not given).
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
 pub struct Flags {
-    /// `--cache-size`: decoded data kept with no open file.
+    /// `--cache-size`: the FUSE path's block cache.
     pub cache_size: Option<u64>,
     /// `--passthrough-memory`.
     pub passthrough_memory: Option<u64>,
@@ -31,8 +32,6 @@ pub struct Budgets {
     /// The private tmpfs holding decoded shards in passthrough mode; an open past it is
     /// served through FUSE.
     pub passthrough_memory: u64,
-    /// Decoded shards kept in that memory after their last close, for a reopen.
-    pub kept_shards: u64,
     /// The FUSE path's cache of decoded blocks.
     pub block_cache: u64,
     /// The memory the process may use.
@@ -63,8 +62,7 @@ impl Budgets {
     /// Under a limit set for the process (a memory cgroup, an rlimit) the budgets fill what
     /// it leaves after [`headroom`]: the block cache a quarter of it (at most
     /// [`DEFAULT_CACHE`]), passthrough memory the rest. When only the machine's memory
-    /// limits it, passthrough memory is half of it, the rest left to the engine. Kept
-    /// shards take at most the cache's share of the passthrough memory. What a flag gives
+    /// limits it, passthrough memory is half of it, the rest left to the engine. What a flag gives
     /// is taken as given ([`Budgets::warnings`] says when that is past the limit).
     pub fn decide(flags: Flags, limit: Limit, in_use: u64, threads: usize) -> Budgets {
         let mut reserved = in_use.saturating_add(headroom(threads));
@@ -77,13 +75,8 @@ impl Budgets {
             Source::Machine => limit.bytes / 2,
             _ => usable.saturating_sub(block_cache),
         });
-        let kept_shards = flags
-            .cache_size
-            .unwrap_or(DEFAULT_CACHE)
-            .min(passthrough_memory);
         Budgets {
             passthrough_memory,
-            kept_shards,
             block_cache,
             limit,
             reserved,
@@ -156,10 +149,7 @@ mod tests {
     fn on_a_machine_passthrough_memory_is_half_of_it() {
         let b = Budgets::decide(Flags::default(), machine(64 * GIB), GIB, 4);
         assert_eq!(b.passthrough_memory, 32 * GIB);
-        assert_eq!(
-            (b.block_cache, b.kept_shards),
-            (DEFAULT_CACHE, DEFAULT_CACHE)
-        );
+        assert_eq!(b.block_cache, DEFAULT_CACHE);
         assert!(b.total() < 64 * GIB);
     }
 
@@ -170,7 +160,6 @@ mod tests {
                 let in_use = 8 * MIB;
                 let b = Budgets::decide(Flags::default(), cgroup(limit), in_use, threads);
                 assert!(b.total() <= limit.max(b.reserved), "{limit}: {b:?}");
-                assert!(b.kept_shards <= b.passthrough_memory, "{b:?}");
                 assert_eq!(b.reserved, in_use + headroom(threads));
                 assert!(b.warnings(Flags::default()).is_none());
             }
@@ -186,10 +175,7 @@ mod tests {
         assert_eq!(b.passthrough_memory, 696 * MIB);
         // A limit below the reserve leaves no budget at all, rather than wrapping around.
         let b = Budgets::decide(Flags::default(), cgroup(64 * MIB), 8 * MIB, 4);
-        assert_eq!(
-            (b.passthrough_memory, b.block_cache, b.kept_shards),
-            (0, 0, 0)
-        );
+        assert_eq!((b.passthrough_memory, b.block_cache), (0, 0));
     }
 
     #[test]
@@ -210,10 +196,7 @@ mod tests {
             passthrough_memory: Some(100 * GIB),
         };
         let b = Budgets::decide(flags, cgroup(8 * GIB), 0, 4);
-        assert_eq!(
-            (b.passthrough_memory, b.kept_shards, b.block_cache),
-            (100 * GIB, 0, 0)
-        );
+        assert_eq!((b.passthrough_memory, b.block_cache), (100 * GIB, 0));
         let w = b.warnings(flags).expect("a warning");
         assert!(
             w.contains("--passthrough-memory 102400 MiB and --cache-size 0 MiB"),

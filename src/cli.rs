@@ -12,7 +12,7 @@ use crate::daemon::{self, Served, Settings};
 use crate::key;
 use crate::limits::Limits;
 use crate::mounttab::{expand_options, Ours};
-use crate::passthrough::{Requested, ServeMode};
+use crate::passthrough::{Copies, Requested, ServeMode};
 use crate::sealed::{self, Options, Verify};
 use crate::source::Location;
 use crate::{Error, Result};
@@ -44,11 +44,20 @@ pub struct Args {
     /// Stay in the foreground (containers, systemd).
     #[arg(short = 'f', long)]
     pub foreground: bool,
-    /// Budget of decoded data kept with no open file (K/M/G suffixes; 0 disables it): FUSE-mode
-    /// blocks, and in passthrough mode whole shards after their last close. Default: 256M,
-    /// or a quarter of what a memory limit leaves (src/budget.rs).
+    /// Budget of the block cache of FUSE-mode reads (K/M/G suffixes; 0 disables it).
+    /// Default: 256M, or a quarter of what a memory limit leaves (src/budget.rs).
     #[arg(long, value_name = "SIZE", value_parser = parse_size)]
     pub cache_size: Option<u64>,
+    /// In passthrough mode, how long a shard's decoded copy outlives its last close, so
+    /// the next open of a load (a rank starting later, a second pass) finds it (e.g. 60s,
+    /// 5m, 0). Copies are let go sooner when an open or memory pressure needs their memory.
+    #[arg(long, value_name = "DURATION", default_value = "60s", value_parser = parse_duration)]
+    pub keep_decoded: std::time::Duration,
+    /// In passthrough mode, do not decode the shards ahead of their first open (by
+    /// default the daemon decodes them right after mounting, in the order engines load
+    /// them, within --passthrough-memory, at low priority).
+    #[arg(long)]
+    pub no_decode_ahead: bool,
     /// FUSE options, comma-separated (e.g. allow_other; never on by default). Every long option
     /// is also taken here as name=value (key=FILE, cache_size=1G, foreground, ...), as
     /// mount(8) and fstab pass them.
@@ -146,6 +155,26 @@ pub fn parse_size(text: &str) -> Result<u64, String> {
         .ok_or_else(|| format!("{text:?} is too large"))
 }
 
+/// Parse `60s`, `5m`, `1h`, `500ms`, `30` (seconds).
+pub fn parse_duration(text: &str) -> Result<std::time::Duration, String> {
+    let t = text.trim();
+    let split = t.find(|c: char| !c.is_ascii_digit()).unwrap_or(t.len());
+    let (num, unit) = t.split_at(split);
+    let n: u64 = num
+        .parse()
+        .map_err(|_| format!("{text:?} is not a duration (e.g. 60s, 5m)"))?;
+    let ms = match unit.trim() {
+        "ms" => 1,
+        "" | "s" => 1000,
+        "m" => 60_000,
+        "h" => 3_600_000,
+        _ => return Err(format!("unknown unit in {text:?} (use ms, s, m or h)")),
+    };
+    n.checked_mul(ms)
+        .map(std::time::Duration::from_millis)
+        .ok_or_else(|| format!("{text:?} is too long"))
+}
+
 impl Args {
     /// The sealed directory (clap requires it unless --status is given).
     pub fn sealed(&self) -> &Path {
@@ -193,6 +222,11 @@ impl Args {
             readahead: self.readahead,
             budgets: budgets.clone(),
             limits,
+            copies: Copies {
+                grace: self.keep_decoded,
+                decode_ahead: !self.no_decode_ahead,
+                ..Copies::default()
+            },
         }
     }
 
@@ -446,5 +480,16 @@ mod tests {
         assert!(parse_size("12Q").is_err());
         assert!(parse_size("M").is_err());
         assert!(parse_size("99999999999T").is_err());
+    }
+
+    #[test]
+    fn durations() {
+        use std::time::Duration;
+        assert_eq!(parse_duration("60s").unwrap(), Duration::from_secs(60));
+        assert_eq!(parse_duration("5m").unwrap(), Duration::from_secs(300));
+        assert_eq!(parse_duration("250ms").unwrap(), Duration::from_millis(250));
+        assert_eq!(parse_duration("0").unwrap(), Duration::ZERO);
+        assert!(parse_duration("5d").is_err());
+        assert!(parse_duration("s").is_err());
     }
 }

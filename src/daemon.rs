@@ -16,7 +16,7 @@ use crate::fuse::KllmFs;
 use crate::kernel_mount::Unmounter;
 use crate::limits::Limits;
 use crate::passthrough::Reclaim;
-use crate::passthrough::ServeMode;
+use crate::passthrough::{Copies, ServeMode};
 use crate::pressure::{Guard, Watcher, Watermarks};
 use crate::status::StatusServer;
 use crate::view::View;
@@ -38,6 +38,8 @@ pub struct Settings {
     pub budgets: Budgets,
     /// The limits they were decided from, watched while serving (src/pressure.rs).
     pub limits: Limits,
+    /// How decoded copies are made and kept in passthrough mode.
+    pub copies: Copies,
 }
 
 /// What a mount serves: the view, and the mode it is served in.
@@ -146,11 +148,10 @@ fn start_session(
         signal_hook::iterator::Signals::new([libc::SIGTERM, libc::SIGINT, libc::SIGHUP])
             .map_err(|e| Error::new(format!("cannot handle signals ({e})")))?;
     let cfg = fuse_config(&settings.source, &settings.fuse_options, settings.threads)?;
-    let fs =
-        KllmFs::new(view, mode, settings.budgets.kept_shards, guard).on_destroy(Box::new(|| {
-            log::info!("session ended; exiting");
-            std::process::exit(0)
-        }));
+    let fs = KllmFs::new(view, mode, settings.copies.clone(), guard).on_destroy(Box::new(|| {
+        log::info!("session ended; exiting");
+        std::process::exit(0)
+    }));
     let reclaim = fs.reclaim();
     // As root mount(2) as `fuse.kllm-mount` with the sealed path as source, else through
     // fusermount3 (src/kernel_mount.rs).
@@ -195,6 +196,7 @@ fn start_status(
     guard: Arc<Guard>,
 ) -> Option<StatusServer> {
     let budgets = settings.budgets.clone();
+    let copies = settings.copies.clone();
     let stats = view.stats().clone();
     let (now, _) = mode.describe();
     let extra = move || {
@@ -213,6 +215,8 @@ fn start_status(
             "mode_reason": why,
             "cache_capacity": view.cache().capacity_bytes(),
             "backing_budget": mode.memory().map(|m| m.budget()),
+            "keep_decoded_s": copies.grace.as_secs_f64(),
+            "decode_ahead": copies.decode_ahead,
             "memory": memory_status(&budgets, &guard),
         })
     };
@@ -241,7 +245,6 @@ fn memory_status(budgets: &Budgets, guard: &Guard) -> serde_json::Value {
         "rlimit_data": limits.rlimits.data,
         "passthrough_budget": budgets.passthrough_memory,
         "cache_budget": budgets.block_cache,
-        "kept_budget": budgets.kept_shards,
         "reserved": budgets.reserved,
         "in_use": guard.usage(),
         "give_back_above": guard.marks().high,

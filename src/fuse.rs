@@ -11,7 +11,7 @@ use fuser::{
 };
 
 use crate::metrics::Stats;
-use crate::passthrough::{Opened, Opens, Reclaim, ServeMode};
+use crate::passthrough::{Copies, Opened, Opens, Reclaim, ServeMode};
 use crate::pressure::Guard;
 use crate::secmem::SecureBuf;
 use crate::view::{Ino, Kind, View};
@@ -40,22 +40,19 @@ pub struct KllmFs {
     view: Arc<View>,
     opens: Opens<BackingId>,
     on_destroy: Option<OnDestroy>,
+    /// The kernel maps files opened with `FOPEN_DIRECT_IO` (`FUSE_DIRECT_IO_ALLOW_MMAP`).
+    direct_io_mmap: bool,
 }
 
 impl KllmFs {
-    /// `kept_shards`: bytes of decoded shards kept after their last close, for a reopen
-    /// (src/budget.rs).
+    /// `copies`: how decoded copies are made and kept in passthrough mode.
     /// `guard`: the memory limit a passthrough decode must leave room under.
-    pub fn new(
-        view: Arc<View>,
-        mode: Arc<ServeMode>,
-        kept_shards: u64,
-        guard: Arc<Guard>,
-    ) -> KllmFs {
+    pub fn new(view: Arc<View>, mode: Arc<ServeMode>, copies: Copies, guard: Arc<Guard>) -> KllmFs {
         KllmFs {
-            opens: Opens::new(view.clone(), mode, kept_shards).with_guard(guard),
+            opens: Opens::new(view.clone(), mode, copies).with_guard(guard),
             view,
             on_destroy: None,
+            direct_io_mmap: false,
         }
     }
 
@@ -127,8 +124,16 @@ impl Filesystem for KllmFs {
                     return Err(std::io::Error::other(why));
                 }
             }
+            self.direct_io_mmap = config
+                .add_capabilities(InitFlags::FUSE_DIRECT_IO_ALLOW_MMAP)
+                .is_ok();
+            log::debug!(
+                "reads of copies still filling bypass the page cache: {}",
+                self.direct_io_mmap
+            );
         }
         mode.log();
+        self.opens.start_background();
         Ok(())
     }
 
@@ -180,8 +185,16 @@ impl Filesystem for KllmFs {
             Opened::Passthrough { fh, id } => {
                 reply.opened_passthrough(FileHandle(fh), FopenFlags::empty(), &id)
             }
+            // A file served from its decoded copy while the copy fills: reads go straight
+            // to the copy, not through the page cache (no second copy of the shard in
+            // fresh pages, nothing to drop when the next open gets passthrough); a mapping
+            // still goes through the page cache.
+            Opened::Fuse { fh, fill: Some(_) } if self.direct_io_mmap => reply.opened(
+                FileHandle(fh),
+                FopenFlags::FOPEN_DIRECT_IO | FopenFlags::FOPEN_KEEP_CACHE,
+            ),
             // The view is immutable: pages the kernel cached stay valid across opens.
-            Opened::Fuse { fh } => reply.opened(FileHandle(fh), FopenFlags::FOPEN_KEEP_CACHE),
+            Opened::Fuse { fh, .. } => reply.opened(FileHandle(fh), FopenFlags::FOPEN_KEEP_CACHE),
         }
     }
 
@@ -205,7 +218,7 @@ impl Filesystem for KllmFs {
         &self,
         _req: &Request,
         ino: INodeNo,
-        _fh: FileHandle,
+        fh: FileHandle,
         offset: u64,
         size: u32,
         _flags: OpenFlags,
@@ -224,7 +237,7 @@ impl Filesystem for KllmFs {
                 }
             }
             let out = &mut buf.as_mut().expect("just made")[..size];
-            match self.view.read_into(ino.0, offset, out) {
+            match self.opens.read(fh.0, ino.0, offset, out) {
                 Ok(n) => {
                     Stats::add(&self.view.stats().bytes_served, n as u64);
                     reply.data(&out[..n])

@@ -1,7 +1,9 @@
+pub mod ahead;
 pub mod blob;
 pub mod budget;
 pub mod digest;
 pub mod error;
+pub mod fill;
 pub mod kernel_mount;
 pub mod key;
 pub mod limits;

@@ -1,29 +1,99 @@
 //! Private memory for decoded shards: a tmpfs of the daemon's own, made with the new mount
 //! API and never attached to a path, so no mount table and no other process can name it.
 //!
-//! Its options carry the guarantees: `noswap` keeps decoded bytes off swap (Linux 6.4+),
-//! `huge=always` backs files with 2 MiB pages (the kernel then serves reads and page faults
-//! at page-cache speed; 4 KiB pages cost a third of that), and `size=` makes the kernel
-//! enforce the memory budget. Files are made with `O_TMPFILE`, so they never have a name,
-//! and live until the last descriptor and the last mapping of them are gone.
+//! Its options carry the guarantees: `noswap` keeps decoded bytes off swap (Linux 6.4+), and
+//! `size=` makes the kernel enforce the memory budget. Files are made with `O_TMPFILE`, so
+//! they never have a name, and live until the last descriptor and the last mapping of them
+//! are gone.
+//!
+//! The page size is chosen per mount ([`Pages`]): 1 MiB folios where the kernel gives a
+//! tmpfs mounted `huge=within_size` folios as large as each allocation (Linux 6.14+), else
+//! 2 MiB pages (`huge=always`). Both serve reads as fast as the page cache of a plain file,
+//! where 4 KiB pages take three times the CPU and 64 KiB folios a third more time; 1 MiB
+//! folios are also cheap to fill on a VM whose host takes back free blocks of 2 MiB and more
+//! (free page reporting), where fresh 2 MiB pages cost 1.4-3.3 s of CPU per GiB
+//! (docs/PERFORMANCE.md, "First load").
 
 use std::fs::File;
 use std::io;
 use std::os::fd::{AsFd, OwnedFd};
+use std::sync::Arc;
+
+use parking_lot::Mutex;
 
 use rustix::fs::{FallocateFlags, Mode, OFlags};
 use rustix::mount::{FsMountFlags, FsOpenFlags, MountAttrFlags};
+
+/// The page size of decoded files.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Pages {
+    /// 2 MiB pages: `huge=always`, memory allocated in any steps.
+    Huge,
+    /// 1 MiB folios: `huge=within_size`, memory allocated 1 MiB at a time in file order.
+    Folio1M,
+}
+
+impl Pages {
+    /// The largest allocation step that keeps this page size.
+    pub fn step(self) -> u64 {
+        match self {
+            Pages::Huge => 2 << 20,
+            Pages::Folio1M => 1 << 20,
+        }
+    }
+
+    fn huge_option(self) -> &'static str {
+        match self {
+            Pages::Huge => "always",
+            Pages::Folio1M => "within_size",
+        }
+    }
+
+    pub fn name(self) -> &'static str {
+        match self {
+            Pages::Huge => "2 MiB",
+            Pages::Folio1M => "1 MiB",
+        }
+    }
+}
 
 /// A detached tmpfs instance.
 pub struct MemoryFs {
     root: OwnedFd,
     budget: u64,
+    pages: Pages,
+    /// Bytes promised to files still filling or alive (see [`Reservation`]).
+    reserved: Arc<Mutex<u64>>,
+}
+
+/// A claim on the budget for one file, held for as long as the daemon holds the file: a
+/// fill allocates its memory chunk by chunk, and two fills must not both count on the
+/// same free bytes.
+pub struct Reservation {
+    len: u64,
+    reserved: Arc<Mutex<u64>>,
+}
+
+impl Drop for Reservation {
+    fn drop(&mut self) {
+        let mut r = self.reserved.lock();
+        *r = r.saturating_sub(self.len);
+    }
 }
 
 impl MemoryFs {
-    /// A tmpfs of at most `budget` bytes. Needs CAP_SYS_ADMIN; fails on kernels without
-    /// the new mount API or without `noswap`, since decoded bytes must never reach swap.
+    /// A tmpfs of at most `budget` bytes, with 1 MiB folios where the kernel makes them.
+    /// Needs CAP_SYS_ADMIN; fails on kernels without the new mount API or without
+    /// `noswap`, since decoded bytes must never reach swap.
     pub fn new(budget: u64) -> io::Result<MemoryFs> {
+        let folios = MemoryFs::with_pages(budget, Pages::Folio1M)?;
+        if folios.makes_folios() {
+            return Ok(folios);
+        }
+        MemoryFs::with_pages(budget, Pages::Huge)
+    }
+
+    pub fn with_pages(budget: u64, pages: Pages) -> io::Result<MemoryFs> {
         use rustix::mount::{fsconfig_create, fsconfig_set_flag, fsconfig_set_string, fsmount};
         let fs = rustix::mount::fsopen("tmpfs", FsOpenFlags::FSOPEN_CLOEXEC)?;
         let set = |key: &str, value: &str| {
@@ -32,7 +102,7 @@ impl MemoryFs {
         };
         // The kernel rounds the size up to whole pages.
         set("size", &budget.max(1).to_string())?;
-        set("huge", "always")?;
+        set("huge", pages.huge_option())?;
         set("mode", "0700")?;
         fsconfig_set_flag(&fs, "noswap")
             .map_err(|e| io::Error::new(e.kind(), format!("tmpfs option noswap: {e}")))?;
@@ -44,11 +114,68 @@ impl MemoryFs {
                 | MountAttrFlags::MOUNT_ATTR_NOSUID
                 | MountAttrFlags::MOUNT_ATTR_NODEV,
         )?;
-        Ok(MemoryFs { root, budget })
+        Ok(MemoryFs {
+            root,
+            budget,
+            pages,
+            reserved: Arc::new(Mutex::new(0)),
+        })
+    }
+
+    /// Whether allocating in steps of this tmpfs's folio size makes folios of that size:
+    /// the kernel's counter of such shmem folios moves (Linux 6.14+ for tmpfs; older
+    /// kernels make 4 KiB pages).
+    fn makes_folios(&self) -> bool {
+        let step = self.pages.step();
+        let stat = format!(
+            "/sys/kernel/mm/transparent_hugepage/hugepages-{}kB/stats/shmem_alloc",
+            step >> 10
+        );
+        let count = || -> Option<u64> { std::fs::read_to_string(&stat).ok()?.trim().parse().ok() };
+        let probe = || -> Option<bool> {
+            let before = count()?;
+            let f = self.create().ok()?;
+            for i in 0..4 {
+                rustix::fs::fallocate(&f, FallocateFlags::empty(), i * step, step).ok()?;
+            }
+            Some(count()? >= before + 4)
+        };
+        probe().unwrap_or(false)
     }
 
     pub fn budget(&self) -> u64 {
         self.budget
+    }
+
+    pub fn pages(&self) -> Pages {
+        self.pages
+    }
+
+    /// Claim `len` bytes of the budget, or `None` when the budget cannot hold them now
+    /// (counting both what files hold and what fills have been promised).
+    pub fn reserve(&self, len: u64) -> Option<Reservation> {
+        let mut r = self.reserved.lock();
+        let used = self.used().unwrap_or(0);
+        if (*r).max(used).saturating_add(len) > self.budget {
+            return None;
+        }
+        *r += len;
+        Some(Reservation {
+            len,
+            reserved: self.reserved.clone(),
+        })
+    }
+
+    /// A new nameless, empty file, writable by the daemon alone; its memory is allocated
+    /// as it fills ([`allocate_range`]).
+    pub fn create(&self) -> io::Result<File> {
+        let fd = rustix::fs::openat(
+            &self.root,
+            ".",
+            OFlags::TMPFILE | OFlags::RDWR | OFlags::CLOEXEC,
+            Mode::from_raw_mode(0o600),
+        )?;
+        Ok(File::from(fd))
     }
 
     /// Bytes of the budget in use (files and mappings still alive, this daemon's or not).
@@ -58,24 +185,21 @@ impl MemoryFs {
     }
 
     /// A nameless file of `len` bytes with its memory allocated: the kernel refuses here,
-    /// not at a later page fault, when the budget cannot hold it.
+    /// not at a later page fault, when the budget cannot hold it. (The daemon fills files
+    /// chunk by chunk, `crate::fill`; this and `MemoryFs::fill` test the tmpfs's
+    /// guarantees on whole files.)
+    #[cfg(test)]
     fn allocate(&self, len: u64) -> io::Result<File> {
-        let fd = rustix::fs::openat(
-            &self.root,
-            ".",
-            OFlags::TMPFILE | OFlags::RDWR | OFlags::CLOEXEC,
-            Mode::from_raw_mode(0o600),
-        )?;
-        if len > 0 {
-            rustix::fs::fallocate(&fd, FallocateFlags::empty(), 0, len)?;
-        }
-        Ok(File::from(fd))
+        let file = self.create()?;
+        allocate_range(&file, 0, len, self.pages.step())?;
+        Ok(file)
     }
 
     /// Fill a new file of `len` bytes through a writable mapping, then hand back a
     /// read-only descriptor of it: the writable one is closed, and the file's mode no
     /// longer lets anyone open it for writing.
-    pub fn fill<E: From<io::Error>>(
+    #[cfg(test)]
+    fn fill<E: From<io::Error>>(
         &self,
         len: u64,
         fill: impl FnOnce(&mut [u8]) -> Result<(), E>,
@@ -88,14 +212,34 @@ impl MemoryFs {
             let _ = map.advise(memmap2::Advice::DontDump);
             fill(&mut map)?;
         }
-        rustix::fs::fchmod(&file, Mode::from_raw_mode(0o400)).map_err(io::Error::from)?;
-        let read_only = reopen_read_only(&file)?;
-        drop(file);
-        Ok(MemoryFile {
-            file: read_only,
-            len,
-        })
+        seal(file).map_err(E::from)
     }
+}
+
+/// Allocate the memory of `[from, to)` of `file`, `step` bytes at a time, growing the file:
+/// tmpfs sizes each folio by the allocation that makes it, so the step sets the page size.
+/// The kernel refuses (ENOSPC) past the tmpfs's size.
+pub fn allocate_range(file: &File, from: u64, to: u64, step: u64) -> io::Result<()> {
+    let mut at = from;
+    while at < to {
+        let n = step.min(to - at);
+        rustix::fs::fallocate(file, FallocateFlags::empty(), at, n)?;
+        at += n;
+    }
+    Ok(())
+}
+
+/// Hand back a read-only descriptor of a filled file: the writable one is closed, and the
+/// file's mode no longer lets anyone open it for writing.
+pub fn seal(file: File) -> io::Result<MemoryFile> {
+    let len = file.metadata()?.len();
+    rustix::fs::fchmod(&file, Mode::from_raw_mode(0o400)).map_err(io::Error::from)?;
+    let read_only = reopen_read_only(&file)?;
+    drop(file);
+    Ok(MemoryFile {
+        file: read_only,
+        len,
+    })
 }
 
 /// Open the same inode again, read-only, through the process's descriptor link (the file

@@ -11,12 +11,14 @@
 //! of each inode to answer every open in the mode the kernel accepts. It is generic over
 //! the kernel's backing handle so it can be tested without a kernel.
 
-use std::collections::{HashMap, HashSet, VecDeque};
+use std::collections::{HashMap, HashSet};
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::Arc;
+use std::time::{Duration, Instant};
 
-use parking_lot::Mutex;
+use parking_lot::{Condvar, Mutex};
 
+use crate::fill::{Fill, Priority};
 use crate::memfs::{MemoryFile, MemoryFs};
 use crate::pressure::Guard;
 use crate::view::{Content, Ino, Node, View};
@@ -142,27 +144,56 @@ impl ServeMode {
     }
 }
 
+/// How decoded copies are made and kept in passthrough mode.
+#[derive(Debug, Clone)]
+pub struct Copies {
+    /// How long a decoded copy outlives the last close of its file.
+    pub grace: Duration,
+    /// Decode the shards an engine will read right after mounting (src/ahead.rs).
+    pub decode_ahead: bool,
+    /// How long an open waits for a copy still filling before it is served through FUSE
+    /// from the part decoded so far.
+    pub open_wait: Duration,
+}
+
+impl Default for Copies {
+    fn default() -> Copies {
+        Copies {
+            grace: Duration::from_secs(60),
+            decode_ahead: true,
+            open_wait: OPEN_WAIT,
+        }
+    }
+}
+
+/// How long an open waits for a decoded copy still filling: a copy nearly done is worth
+/// the wait (passthrough then reads at memory speed), and the first byte of any open stays
+/// within tens of milliseconds.
+pub const OPEN_WAIT: Duration = Duration::from_millis(10);
+
 /// Every open answered in a mode the kernel accepts: the serving mode, the handles open,
-/// and how a backing file is made. `B` is the kernel's backing handle; the adapter passes
-/// in the call that makes one from a file, so this runs without a kernel in tests.
+/// the decoded copies, and how a backing file is made. `B` is the kernel's backing handle;
+/// the adapter passes in the call that makes one from a file, so this runs without a
+/// kernel in tests.
 pub struct Opens<B> {
     view: Arc<View>,
     mode: Arc<ServeMode>,
-    table: OpenTable<B>,
+    table: Arc<OpenTable<B>>,
+    copies: Copies,
     guard: Option<Arc<Guard>>,
     /// Files already logged as served through FUSE for lack of memory.
-    told: Mutex<HashSet<Ino>>,
+    told: Arc<Mutex<HashSet<Ino>>>,
 }
 
-impl<B> Opens<B> {
-    /// `kept_shards`: bytes of decoded shards kept after their last close, for a reopen.
-    pub fn new(view: Arc<View>, mode: Arc<ServeMode>, kept_shards: u64) -> Opens<B> {
+impl<B: Send + Sync + 'static> Opens<B> {
+    pub fn new(view: Arc<View>, mode: Arc<ServeMode>, copies: Copies) -> Opens<B> {
         Opens {
             view,
             mode,
-            table: OpenTable::new(kept_shards),
+            table: Arc::new(OpenTable::new(copies.grace)),
+            copies,
             guard: None,
-            told: Mutex::new(HashSet::new()),
+            told: Arc::new(Mutex::new(HashSet::new())),
         }
     }
 
@@ -174,32 +205,70 @@ impl<B> Opens<B> {
 
     /// What can be given back under memory pressure.
     pub fn reclaim(&self) -> Reclaim {
+        let table = self.table.clone();
         Reclaim {
-            kept: self.table.kept.clone(),
+            copies: Arc::new(move |bytes| table.make_room(bytes)),
             view: self.view.clone(),
         }
     }
 
-    /// Whether the memory limit has room for `bytes` more, after giving back what must be.
-    fn room_for(&self, bytes: u64) -> bool {
-        let Some(guard) = &self.guard else {
-            return true;
-        };
-        match guard.shortfall(bytes) {
-            0 => true,
-            short => self.reclaim().give_back(short) > 0 && guard.room_for(bytes),
-        }
-    }
-
-    /// Log once per file why it is served through FUSE.
-    fn tell_once(&self, ino: Ino, why: std::fmt::Arguments<'_>) {
-        if self.told.lock().insert(ino) {
-            log::warn!("{}: {why}; served through FUSE", self.view.path_of(ino));
+    /// What a new decoded copy needs checked first: the memory limit's room, and how to
+    /// say once why a file is served through FUSE.
+    fn copy_rules(&self) -> CopyRules {
+        CopyRules {
+            guard: self.guard.clone(),
+            reclaim: self.reclaim(),
+            told: self.told.clone(),
         }
     }
 
     pub fn mode(&self) -> &ServeMode {
         &self.mode
+    }
+
+    /// Start what runs beside the opens in passthrough mode: the keeper that lets go of
+    /// copies whose grace period ended, and decode ahead (src/ahead.rs) unless turned off.
+    pub fn start_background(&self) {
+        if self.mode.passthrough().is_none() {
+            return;
+        }
+        let table = Arc::downgrade(&self.table);
+        let tick = self
+            .copies
+            .grace
+            .clamp(Duration::from_millis(100), Duration::from_secs(1));
+        let keeper = move || {
+            while let Some(table) = table.upgrade() {
+                let freed = table.expire(Instant::now());
+                if freed > 0 {
+                    log::debug!("let go of {freed} bytes of decoded copies closed a while ago");
+                }
+                drop(table);
+                std::thread::sleep(tick);
+            }
+        };
+        if let Err(e) = std::thread::Builder::new()
+            .name("kllm-keeper".into())
+            .spawn(keeper)
+        {
+            log::warn!("decoded copies are kept until memory is needed: no keeper thread ({e})");
+        }
+        if self.copies.decode_ahead {
+            let start = {
+                let (view, mode, table) =
+                    (self.view.clone(), self.mode.clone(), self.table.clone());
+                let rules = self.copy_rules();
+                move |ino: Ino, rank: usize| {
+                    let Some(memory) = mode.passthrough() else {
+                        return Ahead::Skipped;
+                    };
+                    let start =
+                        || start_copy(&view, memory, &table, &rules, ino, Priority::Ahead, false);
+                    table.decode_ahead(ino, rank, start)
+                }
+            };
+            crate::ahead::start(self.view.clone(), self.mode.clone(), start);
+        }
     }
 
     /// Open file `ino` in passthrough mode when possible, backed through `open_backing`,
@@ -212,14 +281,13 @@ impl<B> Opens<B> {
         open_backing: impl Fn(&std::fs::File) -> std::io::Result<B>,
     ) -> std::result::Result<Opened<B>, ReadError> {
         let opened = match self.mode.passthrough() {
-            Some(_) => self
-                .table
-                .open(ino, |kept| self.backing(ino, node, kept, &open_backing)),
+            Some(memory) => self.open_passthrough(ino, node, memory, &open_backing),
             None => Opened::Fuse {
                 fh: self.table.open_fuse(ino),
+                fill: None,
             },
         };
-        if let Opened::Fuse { fh } = opened {
+        if let Opened::Fuse { fh, .. } = opened {
             if let Err(e) = self.view.verify(ino) {
                 self.table.release(fh);
                 return Err(e);
@@ -233,16 +301,28 @@ impl<B> Opens<B> {
         self.table.release(fh)
     }
 
-    /// A backing file for a passthrough open of `node`, or `None` to serve it through
-    /// FUSE: the decoded copy of a locked shard (`kept` if an earlier open left one), or
-    /// the sealed file itself for a file shown verbatim.
-    fn backing(
+    /// Bytes `[off, off + out.len())` of file `ino` for a read through FUSE on handle `fh`:
+    /// from the file's decoded copy when the handle has one (filling or complete), else
+    /// decoded for this read.
+    pub fn read(&self, fh: u64, ino: Ino, off: u64, out: &mut [u8]) -> Result<usize, ReadError> {
+        match self.table.fill_of(fh) {
+            Some(fill) => fill.read(off, out),
+            None => self.view.read_into(ino, off, out),
+        }
+    }
+
+    /// Open `node` in passthrough mode where the kernel allows it. A locked shard (and,
+    /// under a manifest, a verbatim file, so a later rewrite of the sealed file cannot
+    /// reach the kernel unchecked) is served from its decoded copy in private memory; any
+    /// other verbatim file is backed by the sealed file itself; bytes held in memory are
+    /// served through FUSE.
+    fn open_passthrough(
         &self,
         ino: Ino,
         node: &Node,
-        kept: Option<Arc<MemoryFile>>,
+        memory: &MemoryFs,
         open_backing: &impl Fn(&std::fs::File) -> std::io::Result<B>,
-    ) -> Option<Backing<B>> {
+    ) -> Opened<B> {
         // Under a manifest a verbatim file is copied into memory as it is checked, so a
         // later rewrite of the sealed file cannot reach the kernel unchecked; so is one with
         // no local file to hand the kernel (a remote source's).
@@ -251,24 +331,52 @@ impl<B> Opens<B> {
             Content::Verbatim(object) => {
                 node.integrity.is_some() || !matches!(object.local_file(), Ok(Some(_)))
             }
-            Content::Memory(_) | Content::Dir(_) => return None,
-        };
-        let memory = match (copy, kept) {
-            (false, _) => None,
-            (true, Some(m)) => Some(m),
-            (true, None) => Some(self.decode(ino, node)?),
-        };
-        let opened = match &memory {
-            Some(m) => open_backing(m.file()),
-            None => match self.view.verbatim_file(node) {
-                Ok(f) => open_backing(f),
-                Err(e) => {
-                    log::error!("{}: {e}", self.view.path_of(ino));
-                    return None;
+            Content::Memory(_) | Content::Dir(_) => {
+                return Opened::Fuse {
+                    fh: self.table.open_fuse(ino),
+                    fill: None,
                 }
-            },
+            }
         };
-        match opened {
+        if !copy {
+            return self
+                .table
+                .open_direct(ino, || match self.view.verbatim_file(node) {
+                    Ok(f) => self.backing(ino, f, None, open_backing),
+                    Err(e) => {
+                        log::error!("{}: {e}", self.view.path_of(ino));
+                        None
+                    }
+                });
+        }
+        let rules = self.copy_rules();
+        let start = || {
+            start_copy(
+                &self.view,
+                memory,
+                &self.table,
+                &rules,
+                ino,
+                Priority::Demand,
+                true,
+            )
+        };
+        let make = |m: &Arc<MemoryFile>| self.backing(ino, m.file(), Some(m.clone()), open_backing);
+        let policy = OpenPolicy {
+            wait: self.copies.open_wait,
+        };
+        self.table.open_copy(ino, &policy, start, make)
+    }
+
+    /// Hand `file` to the kernel as a backing file, or `None` to serve through FUSE.
+    fn backing(
+        &self,
+        ino: Ino,
+        file: &std::fs::File,
+        memory: Option<Arc<MemoryFile>>,
+        open_backing: &impl Fn(&std::fs::File) -> std::io::Result<B>,
+    ) -> Option<Backing<B>> {
+        match open_backing(file) {
             Ok(id) => Some(Backing {
                 id: Arc::new(id),
                 memory,
@@ -289,81 +397,136 @@ impl<B> Opens<B> {
         }
     }
 
-    /// Decode a whole locked shard into private memory, on all cores, checking it against
-    /// the manifest at the same time. When the budget is full, shards kept after their
-    /// last close make room; failing that, the open is served through FUSE.
-    fn decode(&self, ino: Ino, node: &Node) -> Option<Arc<MemoryFile>> {
-        let memory = self.mode.passthrough()?;
-        let size = node.attr.size;
-        if size > memory.budget() {
-            self.tell_once(
-                ino,
-                format_args!(
-                    "its {} MiB do not fit the passthrough memory ({} MiB)",
-                    size >> 20,
-                    memory.budget() >> 20
-                ),
-            );
-            return None;
+    /// Handles open now, by mode.
+    pub fn open_handles(&self) -> (u64, u64) {
+        self.table.open_handles()
+    }
+
+    /// Bytes of decoded copies no handle uses (kept after a close, or decoded ahead).
+    pub fn kept_bytes(&self) -> u64 {
+        self.table.kept_bytes()
+    }
+
+    /// Let go of decoded copies no handle uses until `need` bytes are let go (memory
+    /// pressure); bytes let go. See [`OpenTable::make_room`] for the order.
+    pub fn make_room(&self, need: u64) -> u64 {
+        self.table.make_room(need)
+    }
+}
+
+/// What a new decoded copy is checked against: the memory limit (src/pressure.rs), what can
+/// be given back to make room under it, and the files already said to go through FUSE.
+struct CopyRules {
+    guard: Option<Arc<Guard>>,
+    reclaim: Reclaim,
+    told: Arc<Mutex<HashSet<Ino>>>,
+}
+
+impl CopyRules {
+    /// Whether the memory limit has room for `bytes` more, after giving back what must be
+    /// (only when `give_back`: decoding ahead never lets other copies go).
+    fn room_for(&self, bytes: u64, give_back: bool) -> bool {
+        let Some(guard) = &self.guard else {
+            return true;
+        };
+        match guard.shortfall(bytes) {
+            0 => true,
+            short if give_back => self.reclaim.give_back(short) > 0 && guard.room_for(bytes),
+            _ => false,
         }
-        if !self.room_for(size) {
-            self.tell_once(
-                ino,
-                format_args!(
-                    "the memory limit has no room for its {} MiB now",
-                    size >> 20
-                ),
-            );
-            return None;
-        }
-        let fill = |buf: &mut [u8]| self.view.read_whole(ino, buf);
-        let started = std::time::Instant::now();
-        let mut result = memory.fill(node.attr.size, fill);
-        if result.as_ref().is_err_and(is_full) && self.table.drop_kept() > 0 {
-            result = memory.fill(node.attr.size, fill);
-        }
-        match result {
-            Ok(m) => {
-                log::debug!(
-                    "{}: decoded {} bytes in {:?}",
-                    self.view.path_of(ino),
-                    m.len(),
-                    started.elapsed()
-                );
-                Some(Arc::new(m))
-            }
-            Err(e) => {
-                let why = if is_full(&e) {
-                    "the passthrough memory budget is full".to_string()
-                } else {
-                    format!("not decoded whole ({e})")
-                };
-                log::warn!("{}: {why}; served through FUSE", self.view.path_of(ino));
-                None
-            }
+    }
+
+    /// Log once per file why it is served through FUSE.
+    fn tell_once(&self, view: &View, ino: Ino, why: std::fmt::Arguments<'_>) {
+        if self.told.lock().insert(ino) {
+            log::warn!("{}: {why}; served through FUSE", view.path_of(ino));
         }
     }
 }
 
-/// The kernel refused memory past the private tmpfs's size: the budget is full.
-fn is_full(e: &ReadError) -> bool {
-    matches!(e, ReadError::Io(e) if e.raw_os_error() == Some(libc::ENOSPC))
+/// Start a decoded copy of file `ino` in `memory`. A file larger than the whole budget is
+/// never copied. When the budget or the memory limit is full and `make_room`, copies no
+/// handle uses are let go first (see [`OpenTable::make_room`]). `None` (said once per file)
+/// when there is no room or no copy could be made: the file is then served through FUSE.
+fn start_copy<B>(
+    view: &Arc<View>,
+    memory: &MemoryFs,
+    table: &OpenTable<B>,
+    rules: &CopyRules,
+    ino: Ino,
+    priority: Priority,
+    make_room: bool,
+) -> Option<Arc<Fill>> {
+    let len = view.node(ino)?.attr.size;
+    if len > memory.budget() {
+        if make_room {
+            rules.tell_once(
+                view,
+                ino,
+                format_args!(
+                    "its {} MiB do not fit the passthrough memory ({} MiB)",
+                    len >> 20,
+                    memory.budget() >> 20
+                ),
+            );
+        }
+        return None;
+    }
+    if !rules.room_for(len, make_room) {
+        if make_room {
+            rules.tell_once(
+                view,
+                ino,
+                format_args!("the memory limit has no room for its {} MiB now", len >> 20),
+            );
+        }
+        return None;
+    }
+    let mut reservation = memory.reserve(len);
+    if reservation.is_none() && make_room && table.make_room(len) > 0 {
+        // What was let go is freed as its fill threads stop (within one chunk).
+        let deadline = Instant::now() + Duration::from_secs(2);
+        while reservation.is_none() && Instant::now() < deadline {
+            std::thread::sleep(Duration::from_millis(5));
+            reservation = memory.reserve(len);
+        }
+    }
+    let Some(reservation) = reservation else {
+        if make_room {
+            log::warn!(
+                "{}: the passthrough memory budget is full; served through FUSE",
+                view.path_of(ino)
+            );
+        }
+        return None;
+    };
+    match Fill::of_view(view, ino, memory, reservation, priority) {
+        Ok(f) => Some(Arc::new(f)),
+        Err(e) => {
+            log::warn!(
+                "{}: no decoded copy ({e}); served through FUSE",
+                view.path_of(ino)
+            );
+            None
+        }
+    }
 }
 
-/// What a mount can let go of at any time, to stay under its memory limit: decoded shards
-/// kept after their last close (oldest first), then the FUSE path's cached blocks, then
-/// the wiped buffers kept for reuse. Shared with the pressure watcher (src/pressure.rs).
+/// What a mount can let go of at any time, to stay under its memory limit: decoded copies
+/// no file uses (closed longest ago first, then those decoded ahead), then the FUSE path's
+/// cached blocks, then the wiped buffers kept for reuse. Shared with the pressure watcher
+/// (src/pressure.rs).
 #[derive(Clone)]
 pub struct Reclaim {
-    kept: Arc<Mutex<Kept>>,
+    copies: Arc<dyn Fn(u64) -> u64 + Send + Sync>,
     view: Arc<View>,
 }
 
 impl Reclaim {
-    /// Free at least `bytes` if that much can be freed; returns the bytes freed. A kept
-    /// shard still mapped by a reader is freed by the kernel at its last unmap.
+    /// Free at least `bytes` if that much can be freed; returns the bytes freed. A copy
+    /// still mapped by a reader is freed by the kernel at its last unmap.
     pub fn give_back(&self, bytes: u64) -> u64 {
-        let mut freed = self.kept.lock().shed(bytes);
+        let mut freed = (self.copies)(bytes);
         if freed < bytes {
             freed += self.view.cache().shed(bytes - freed);
         }
@@ -388,172 +551,336 @@ pub struct Backing<B> {
     pub memory: Option<Arc<MemoryFile>>,
 }
 
-/// What an open got.
+/// What an open got. A FUSE open of a file with a decoded copy (filling or complete) reads
+/// from it.
 pub enum Opened<B> {
     Passthrough { fh: u64, id: Arc<B> },
-    Fuse { fh: u64 },
+    Fuse { fh: u64, fill: Option<Arc<Fill>> },
 }
 
-#[derive(Default)]
+impl<B> Opened<B> {
+    pub fn fh(&self) -> u64 {
+        match self {
+            Opened::Passthrough { fh, .. } | Opened::Fuse { fh, .. } => *fh,
+        }
+    }
+}
+
+/// How an open of a file that is served from a decoded copy goes.
+#[derive(Debug, Clone)]
+pub struct OpenPolicy {
+    /// How long an open waits for a copy still filling before it is served through FUSE
+    /// from the part already decoded.
+    pub wait: Duration,
+}
+
 struct InodeOpens<B> {
     passthrough: u32,
     fuse: u32,
     backing: Option<Backing<B>>,
+    /// The file's decoded copy, filling or complete. It outlives the last close by the
+    /// table's grace period, so the next open of a normal load finds it.
+    fill: Option<Arc<Fill>>,
+    /// When the last handle closed; `None` while open or never opened.
+    idle_since: Option<Instant>,
+    /// Decoded ahead and not opened yet: its place in the decode-ahead order.
+    ahead: Option<usize>,
+    /// Opened at least once: decoding ahead is for files not read yet.
+    opened: bool,
 }
 
-/// The open handles of every inode, and decoded shards kept after their last close.
+impl<B> InodeOpens<B> {
+    fn is_open(&self) -> bool {
+        self.passthrough + self.fuse > 0
+    }
+}
+
+/// An inode's handles, and a signal for opens waiting for its FUSE handles to close.
+struct InodeSlot<B> {
+    state: Mutex<InodeOpens<B>>,
+    released: Condvar,
+}
+
+type Inode<B> = Arc<InodeSlot<B>>;
+
+/// How long an open of a file whose copy is complete waits for the inode's FUSE handles to
+/// go: the kernel sends RELEASE after `close` returns, so a reopen right after a close
+/// would otherwise find the inode still open through the page cache.
+const RELEASE_WAIT: Duration = Duration::from_millis(20);
+
+struct Handle {
+    ino: Ino,
+    mode: OpenMode,
+    fill: Option<Arc<Fill>>,
+}
+
+/// What a request to decode a file ahead did.
+pub enum Ahead {
+    Started(Arc<Fill>),
+    /// Opened already, or decoded already.
+    Skipped,
+    /// The budget has no room for it now.
+    NoRoom,
+}
+
+/// The open handles of every inode, and the decoded copies of files with none.
 pub struct OpenTable<B> {
-    inodes: Mutex<HashMap<Ino, Arc<Mutex<InodeOpens<B>>>>>,
-    handles: Mutex<HashMap<u64, (Ino, OpenMode)>>,
+    inodes: Mutex<HashMap<Ino, Inode<B>>>,
+    handles: Mutex<HashMap<u64, Handle>>,
     next_fh: AtomicU64,
-    kept: Arc<Mutex<Kept>>,
-}
-
-/// Decoded shards with no open handle, newest last, held within `budget` bytes so a
-/// reopen (a second reader, a warm re-read) finds them decoded.
-struct Kept {
-    shards: VecDeque<(Ino, Arc<MemoryFile>)>,
-    budget: u64,
-}
-
-impl Kept {
-    fn bytes(&self) -> u64 {
-        self.shards.iter().map(|(_, m)| m.len()).sum()
-    }
-
-    fn take(&mut self, ino: Ino) -> Option<Arc<MemoryFile>> {
-        let i = self.shards.iter().position(|(i, _)| *i == ino)?;
-        self.shards.remove(i).map(|(_, m)| m)
-    }
-
-    /// Let go of the oldest kept shards until `bytes` are freed (or none is left).
-    fn shed(&mut self, bytes: u64) -> u64 {
-        let mut freed = 0;
-        while freed < bytes {
-            match self.shards.pop_front() {
-                Some((_, m)) => freed += m.len(),
-                None => break,
-            }
-        }
-        freed
-    }
-
-    fn keep(&mut self, ino: Ino, memory: Arc<MemoryFile>) {
-        if memory.len() > self.budget {
-            return;
-        }
-        self.shards.push_back((ino, memory));
-        while self.bytes() > self.budget {
-            self.shards.pop_front();
-        }
-    }
+    /// How long a decoded copy is kept after its last close.
+    grace: Duration,
 }
 
 impl<B> OpenTable<B> {
-    /// `keep_budget`: bytes of decoded shards kept after their last close.
-    pub fn new(keep_budget: u64) -> OpenTable<B> {
+    /// `grace`: how long a decoded copy is kept after the last close of its file.
+    pub fn new(grace: Duration) -> OpenTable<B> {
         OpenTable {
             inodes: Mutex::new(HashMap::new()),
             handles: Mutex::new(HashMap::new()),
             next_fh: AtomicU64::new(1),
-            kept: Arc::new(Mutex::new(Kept {
-                shards: VecDeque::new(),
-                budget: keep_budget,
-            })),
+            grace,
         }
     }
 
-    fn inode(&self, ino: Ino) -> Arc<Mutex<InodeOpens<B>>> {
+    fn inode(&self, ino: Ino) -> Inode<B> {
         self.inodes
             .lock()
             .entry(ino)
             .or_insert_with(|| {
-                Arc::new(Mutex::new(InodeOpens {
-                    passthrough: 0,
-                    fuse: 0,
-                    backing: None,
-                }))
+                Arc::new(InodeSlot {
+                    released: Condvar::new(),
+                    state: Mutex::new(InodeOpens {
+                        passthrough: 0,
+                        fuse: 0,
+                        backing: None,
+                        fill: None,
+                        idle_since: None,
+                        ahead: None,
+                        opened: false,
+                    }),
+                })
             })
             .clone()
     }
 
-    fn handle(&self, ino: Ino, mode: OpenMode) -> u64 {
+    fn handle(&self, ino: Ino, mode: OpenMode, fill: Option<Arc<Fill>>) -> u64 {
         let fh = self.next_fh.fetch_add(1, Ordering::Relaxed);
-        self.handles.lock().insert(fh, (ino, mode));
+        self.handles.lock().insert(fh, Handle { ino, mode, fill });
         fh
+    }
+
+    fn fuse(&self, ino: Ino, state: &mut InodeOpens<B>) -> Opened<B> {
+        state.fuse += 1;
+        state.opened = true;
+        let fill = state.fill.clone();
+        Opened::Fuse {
+            fh: self.handle(ino, OpenMode::Fuse, fill.clone()),
+            fill,
+        }
+    }
+
+    fn passthrough(&self, ino: Ino, state: &mut InodeOpens<B>, backing: Backing<B>) -> Opened<B> {
+        let id = backing.id.clone();
+        state.backing = Some(backing);
+        state.passthrough += 1;
+        state.opened = true;
+        Opened::Passthrough {
+            fh: self.handle(ino, OpenMode::Passthrough, None),
+            id,
+        }
     }
 
     /// Open `ino` through the page cache (passthrough is off, or the file is not one the
     /// kernel can be handed).
     pub fn open_fuse(&self, ino: Ino) -> u64 {
         let inode = self.inode(ino);
-        let mut state = inode.lock();
-        state.fuse += 1;
-        self.handle(ino, OpenMode::Fuse)
+        let mut state = inode.state.lock();
+        state.idle_since = None;
+        self.fuse(ino, &mut state).fh()
     }
 
-    /// Open `ino` in passthrough mode when the kernel allows it: through the inode's
-    /// backing if it has one, else through a new one from `make`, which gets the decoded
-    /// memory kept from an earlier open, if any. `make` runs under the inode's lock, so
-    /// concurrent first opens decode once; `None` from it opens through the page cache.
-    pub fn open(
-        &self,
-        ino: Ino,
-        make: impl FnOnce(Option<Arc<MemoryFile>>) -> Option<Backing<B>>,
-    ) -> Opened<B> {
+    /// Open a file the kernel reads from itself (a verbatim file, backed by the sealed
+    /// file): passthrough through the inode's backing or a new one from `make`, unless the
+    /// inode is open through the page cache or `make` gives none.
+    pub fn open_direct(&self, ino: Ino, make: impl FnOnce() -> Option<Backing<B>>) -> Opened<B> {
         let inode = self.inode(ino);
-        let mut state = inode.lock();
+        let mut state = inode.state.lock();
+        state.idle_since = None;
         if state.fuse == 0 {
             if let Some(b) = &state.backing {
-                let id = b.id.clone();
-                state.passthrough += 1;
-                let fh = self.handle(ino, OpenMode::Passthrough);
-                return Opened::Passthrough { fh, id };
+                let backing = Backing {
+                    id: b.id.clone(),
+                    memory: b.memory.clone(),
+                };
+                return self.passthrough(ino, &mut state, backing);
             }
-            let kept = self.kept.lock().take(ino);
-            if let Some(backing) = make(kept) {
-                let id = backing.id.clone();
-                state.backing = Some(backing);
-                state.passthrough += 1;
-                let fh = self.handle(ino, OpenMode::Passthrough);
-                return Opened::Passthrough { fh, id };
+            if let Some(backing) = make() {
+                return self.passthrough(ino, &mut state, backing);
             }
         }
-        state.fuse += 1;
-        Opened::Fuse {
-            fh: self.handle(ino, OpenMode::Fuse),
+        self.fuse(ino, &mut state)
+    }
+
+    /// Open a file served from a decoded copy. While the inode is open through the page
+    /// cache, the open joins it there; while it is open in passthrough, it shares the
+    /// backing. Otherwise the copy (kept, decoded ahead, or a new one from `start`) is
+    /// waited for up to `policy.wait`: complete, it backs a passthrough open (`make`);
+    /// still filling, the open is served through FUSE from the part already decoded, so no
+    /// open waits for a whole decode. Without a copy (no memory for one) the open is served
+    /// through FUSE, decoded per read. `start` and `make` run under the inode's lock, so
+    /// concurrent first opens share one decode.
+    pub fn open_copy(
+        &self,
+        ino: Ino,
+        policy: &OpenPolicy,
+        start: impl FnOnce() -> Option<Arc<Fill>>,
+        make: impl FnOnce(&Arc<MemoryFile>) -> Option<Backing<B>>,
+    ) -> Opened<B> {
+        let inode = self.inode(ino);
+        let mut state = inode.state.lock();
+        state.idle_since = None;
+        state.ahead = None;
+        let complete = state.fill.as_ref().is_some_and(|f| f.complete().is_some());
+        if state.fuse > 0 && complete {
+            let deadline = Instant::now() + RELEASE_WAIT;
+            while state.fuse > 0 && !inode.released.wait_until(&mut state, deadline).timed_out() {}
         }
+        if state.fuse > 0 {
+            return self.fuse(ino, &mut state);
+        }
+        if let Some(b) = &state.backing {
+            let backing = Backing {
+                id: b.id.clone(),
+                memory: b.memory.clone(),
+            };
+            return self.passthrough(ino, &mut state, backing);
+        }
+        if state.fill.is_none() {
+            state.fill = start();
+        }
+        let Some(fill) = state.fill.clone() else {
+            return self.fuse(ino, &mut state);
+        };
+        let complete = fill.complete().or_else(|| fill.wait_complete(policy.wait));
+        match complete.and_then(|m| make(&m)) {
+            Some(backing) => self.passthrough(ino, &mut state, backing),
+            None => {
+                fill.urge();
+                self.fuse(ino, &mut state)
+            }
+        }
+    }
+
+    /// Start decoding `ino` ahead of any open with `start`, unless it was opened or has a
+    /// copy already. `rank` is its place in the decode-ahead order.
+    pub fn decode_ahead(
+        &self,
+        ino: Ino,
+        rank: usize,
+        start: impl FnOnce() -> Option<Arc<Fill>>,
+    ) -> Ahead {
+        let inode = self.inode(ino);
+        let mut state = inode.state.lock();
+        if state.opened || state.fill.is_some() {
+            return Ahead::Skipped;
+        }
+        match start() {
+            Some(fill) => {
+                state.fill = Some(fill.clone());
+                state.ahead = Some(rank);
+                Ahead::Started(fill)
+            }
+            None => Ahead::NoRoom,
+        }
+    }
+
+    /// The decoded copy a FUSE handle reads from, if any.
+    pub fn fill_of(&self, fh: u64) -> Option<Arc<Fill>> {
+        self.handles.lock().get(&fh).and_then(|h| h.fill.clone())
     }
 
     /// The kernel released handle `fh`. After the last passthrough handle of an inode its
-    /// backing is closed, and its decoded memory is kept for a reopen or let go.
+    /// backing is closed; after the last handle of any mode its decoded copy starts its
+    /// grace period.
     pub fn release(&self, fh: u64) -> Option<(Ino, OpenMode)> {
-        let (ino, mode) = self.handles.lock().remove(&fh)?;
+        let Handle { ino, mode, .. } = self.handles.lock().remove(&fh)?;
         let inode = self.inode(ino);
-        let mut state = inode.lock();
+        let mut state = inode.state.lock();
         match mode {
             OpenMode::Fuse => state.fuse = state.fuse.saturating_sub(1),
             OpenMode::Passthrough => {
                 state.passthrough = state.passthrough.saturating_sub(1);
                 if state.passthrough == 0 {
-                    if let Some(Backing {
-                        memory: Some(m), ..
-                    }) = state.backing.take()
-                    {
-                        self.kept.lock().keep(ino, m);
-                    }
+                    state.backing = None;
                 }
             }
         }
+        if !state.is_open() {
+            state.idle_since = Some(Instant::now());
+        }
+        inode.released.notify_all();
         Some((ino, mode))
     }
 
-    /// Let go of every kept shard, to make room for a new one.
-    pub fn drop_kept(&self) -> u64 {
-        let mut kept = self.kept.lock();
-        let bytes = kept.bytes();
-        kept.shards.clear();
-        bytes
+    /// Let go of the decoded copies whose grace period ended by `now`; bytes let go.
+    pub fn expire(&self, now: Instant) -> u64 {
+        let ended = |s: &InodeOpens<B>| {
+            s.idle_since
+                .filter(|&t| now.saturating_duration_since(t) >= self.grace)
+                .map(|_| (0, 0))
+        };
+        self.let_go(ended, u64::MAX)
+    }
+
+    /// Let go of copies no handle uses, until `need` bytes are let go: those closed
+    /// longest ago first, then those decoded ahead and not opened yet, the last in the
+    /// decode-ahead order first. Inodes busy in another open are skipped. Bytes let go.
+    pub fn make_room(&self, need: u64) -> u64 {
+        let order = |s: &InodeOpens<B>| match (s.idle_since, s.ahead) {
+            (Some(t), _) => Some((0, u64::MAX - t.elapsed().as_millis() as u64)),
+            (None, Some(rank)) => Some((1, u64::MAX - rank as u64)),
+            (None, None) => None,
+        };
+        self.let_go(order, need)
+    }
+
+    /// Drop the copies of idle inodes that `pick` gives an order key, lowest key first,
+    /// until `need` bytes are let go.
+    fn let_go(&self, pick: impl Fn(&InodeOpens<B>) -> Option<(u8, u64)>, need: u64) -> u64 {
+        let inodes: Vec<_> = self.inodes.lock().values().cloned().collect();
+        let mut candidates: Vec<((u8, u64), Inode<B>)> = inodes
+            .into_iter()
+            .filter_map(|i| {
+                let key = {
+                    let s = i.state.try_lock()?;
+                    if s.is_open() || s.fill.is_none() {
+                        return None;
+                    }
+                    pick(&s)?
+                };
+                Some((key, i))
+            })
+            .collect();
+        candidates.sort_by_key(|(k, _)| *k);
+        let mut freed = 0;
+        for (_, i) in candidates {
+            if freed >= need {
+                break;
+            }
+            let Some(mut s) = i.state.try_lock() else {
+                continue;
+            };
+            if s.is_open() {
+                continue;
+            }
+            if let Some(f) = s.fill.take() {
+                freed += f.len();
+                s.idle_since = None;
+                s.ahead = None;
+            }
+        }
+        freed
     }
 
     /// Handles open now, by mode.
@@ -561,14 +888,21 @@ impl<B> OpenTable<B> {
         let handles = self.handles.lock();
         let pt = handles
             .values()
-            .filter(|(_, m)| *m == OpenMode::Passthrough)
+            .filter(|h| h.mode == OpenMode::Passthrough)
             .count() as u64;
         (pt, handles.len() as u64 - pt)
     }
 
-    /// Bytes of decoded shards kept with no open handle.
+    /// Bytes of decoded copies no handle uses (kept after a close, or decoded ahead).
     pub fn kept_bytes(&self) -> u64 {
-        self.kept.lock().bytes()
+        let inodes: Vec<_> = self.inodes.lock().values().cloned().collect();
+        inodes
+            .iter()
+            .filter_map(|i| {
+                let s = i.state.lock();
+                (!s.is_open()).then(|| s.fill.as_ref().map_or(0, |f| f.len()))
+            })
+            .sum()
     }
 }
 
@@ -645,7 +979,12 @@ mod tests {
         testseal::seal_dir(&plain, &sealed, &key, lock, [3; 16]).unwrap();
         let view = crate::sealed::open(&sealed, &key, &"test", &Default::default()).unwrap();
         let view = Arc::new(view);
-        let opens = Opens::new(view.clone(), Arc::new(mode), 0);
+        let copies = Copies {
+            open_wait: Duration::from_secs(30),
+            decode_ahead: false,
+            ..Copies::default()
+        };
+        let opens = Opens::new(view.clone(), Arc::new(mode), copies);
         Some((tmp, view, opens))
     }
 
@@ -718,31 +1057,29 @@ mod tests {
         }
     }
 
-    fn make(
-        live: &Arc<AtomicUsize>,
-    ) -> impl FnOnce(Option<Arc<MemoryFile>>) -> Option<Backing<Id>> {
-        let live = live.clone();
-        move |_| {
-            live.fetch_add(1, Ordering::SeqCst);
-            Some(Backing {
-                id: Arc::new(Id(live)),
-                memory: None,
-            })
+    fn new_id(live: &Arc<AtomicUsize>) -> Backing<Id> {
+        live.fetch_add(1, Ordering::SeqCst);
+        Backing {
+            id: Arc::new(Id(live.clone())),
+            memory: None,
         }
     }
 
+    fn make(live: &Arc<AtomicUsize>) -> impl FnOnce() -> Option<Backing<Id>> {
+        let live = live.clone();
+        move || Some(new_id(&live))
+    }
+
     fn fh<B>(o: &Opened<B>) -> u64 {
-        match o {
-            Opened::Passthrough { fh, .. } | Opened::Fuse { fh } => *fh,
-        }
+        o.fh()
     }
 
     #[test]
     fn opens_share_one_backing_until_the_last_release() {
-        let t = OpenTable::new(0);
+        let t = OpenTable::new(Duration::ZERO);
         let live = Arc::new(AtomicUsize::new(0));
-        let a = t.open(7, make(&live));
-        let b = t.open(7, |_| panic!("a second backing was made"));
+        let a = t.open_direct(7, make(&live));
+        let b = t.open_direct(7, || panic!("a second backing was made"));
         let (Opened::Passthrough { id: ia, .. }, Opened::Passthrough { id: ib, .. }) = (&a, &b)
         else {
             panic!("not passthrough");
@@ -765,32 +1102,35 @@ mod tests {
         );
         assert_eq!(t.open_handles(), (0, 0));
         // A later open makes a new one.
-        let c = t.open(7, make(&live));
+        let c = t.open_direct(7, make(&live));
         assert!(matches!(c, Opened::Passthrough { .. }));
         assert_eq!(live.load(Ordering::SeqCst), 1);
     }
 
     #[test]
     fn an_inode_open_through_the_page_cache_stays_there() {
-        let t = OpenTable::new(0);
+        let t = OpenTable::new(Duration::ZERO);
         let live = Arc::new(AtomicUsize::new(0));
         // The first open falls back (no backing could be made).
-        let a = t.open(3, |_| None);
+        let a = t.open_direct(3, || None);
         assert!(matches!(a, Opened::Fuse { .. }));
         // While it is open, a passthrough open would be refused by the kernel.
-        let b = t.open(3, |_| panic!("passthrough asked for a cached inode"));
+        let b = t.open_direct(3, || panic!("passthrough asked for a cached inode"));
         assert!(matches!(b, Opened::Fuse { .. }));
         t.release(fh(&a));
         t.release(fh(&b));
         // Once all are closed, passthrough is possible again.
-        assert!(matches!(t.open(3, make(&live)), Opened::Passthrough { .. }));
+        assert!(matches!(
+            t.open_direct(3, make(&live)),
+            Opened::Passthrough { .. }
+        ));
         // And while that is open, even a plain FUSE-only file keeps its own inode's mode.
-        assert!(matches!(t.open(4, |_| None), Opened::Fuse { .. }));
+        assert!(matches!(t.open_direct(4, || None), Opened::Fuse { .. }));
     }
 
     #[test]
     fn handles_are_unique_and_released_once() {
-        let t: OpenTable<Id> = OpenTable::new(0);
+        let t: OpenTable<Id> = OpenTable::new(Duration::ZERO);
         let fhs: Vec<u64> = (0..100).map(|i| t.open_fuse(i % 3)).collect();
         let mut sorted = fhs.clone();
         sorted.sort();
@@ -801,5 +1141,193 @@ mod tests {
         }
         assert!(t.release(fhs[0]).is_none(), "released twice");
         assert_eq!(t.open_handles(), (0, 0));
+    }
+
+    use crate::fill::{Source, Target, CHUNK};
+
+    /// A fill of `len` bytes into a scratch file, each chunk taking `per_chunk`.
+    fn fill(len: u64, per_chunk: Duration) -> Arc<Fill> {
+        let make = move |off, buf: &mut [u8]| {
+            std::thread::sleep(per_chunk);
+            for (i, b) in buf.iter_mut().enumerate() {
+                *b = ((off + i as u64) % 253) as u8;
+            }
+            Ok(())
+        };
+        let source = Source {
+            fetch: Box::new(|_, _| Ok(())),
+            unlock: Box::new(make),
+            decode: Box::new(make),
+            check: None,
+            prefetch: None,
+        };
+        let target = Target {
+            file: tempfile::tempfile().unwrap(),
+            len,
+            step: 1 << 20,
+            seal: Box::new(crate::memfs::seal),
+            reservation: None,
+        };
+        Arc::new(Fill::start(target, source, Priority::Demand, "test".into()).unwrap())
+    }
+
+    const WAIT: OpenPolicy = OpenPolicy {
+        wait: Duration::from_millis(20),
+    };
+
+    fn backed(live: &Arc<AtomicUsize>) -> impl FnOnce(&Arc<MemoryFile>) -> Option<Backing<Id>> {
+        let live = live.clone();
+        move |m| {
+            let mut b = new_id(&live);
+            b.memory = Some(m.clone());
+            Some(b)
+        }
+    }
+
+    #[test]
+    fn a_copy_done_in_time_is_handed_to_the_kernel() {
+        let t = OpenTable::new(Duration::from_secs(60));
+        let live = Arc::new(AtomicUsize::new(0));
+        let o = t.open_copy(
+            5,
+            &WAIT,
+            || Some(fill(1 << 20, Duration::ZERO)),
+            backed(&live),
+        );
+        // A one-chunk fill finishes within the wait (or the open is served from it).
+        if let Opened::Fuse { fill, .. } = &o {
+            assert!(fill.is_some(), "a FUSE open without the copy");
+        }
+        t.release(o.fh());
+        // Once complete, every open is passthrough.
+        let f = t.open_copy(5, &WAIT, || panic!("decoded twice"), backed(&live));
+        assert!(matches!(f, Opened::Passthrough { .. }));
+    }
+
+    #[test]
+    fn an_open_does_not_wait_for_a_whole_decode() {
+        let t = OpenTable::new(Duration::from_secs(60));
+        let live = Arc::new(AtomicUsize::new(0));
+        let started = Instant::now();
+        let a = t.open_copy(
+            9,
+            &WAIT,
+            || Some(fill(20 * CHUNK, Duration::from_millis(25))),
+            backed(&live),
+        );
+        assert!(started.elapsed() < Duration::from_millis(400));
+        let Opened::Fuse { fill: Some(f), .. } = &a else {
+            panic!("the first open of a filling copy is not served from it");
+        };
+        let mut buf = vec![0u8; 4096];
+        f.read(3 * CHUNK, &mut buf).unwrap();
+        assert_eq!(buf[0], ((3 * CHUNK) % 253) as u8);
+        // A second open joins the first through FUSE and reads from the same copy.
+        let b = t.open_copy(9, &WAIT, || panic!("decoded twice"), backed(&live));
+        let Opened::Fuse { fill: Some(g), .. } = &b else {
+            panic!("second open not served from the copy");
+        };
+        assert!(Arc::ptr_eq(f, g));
+        assert!(f.wait_complete(Duration::from_secs(30)).is_some());
+        t.release(a.fh());
+        t.release(b.fh());
+        // Complete and closed: the next open gets it by passthrough.
+        let c = t.open_copy(9, &WAIT, || panic!("decoded twice"), backed(&live));
+        assert!(matches!(c, Opened::Passthrough { .. }));
+        assert_eq!(live.load(Ordering::SeqCst), 1);
+    }
+
+    #[test]
+    fn a_reopen_racing_the_release_of_the_last_fuse_handle_gets_passthrough() {
+        let t = Arc::new(OpenTable::new(Duration::from_secs(60)));
+        let live = Arc::new(AtomicUsize::new(0));
+        let a = t.open_copy(
+            11,
+            &WAIT,
+            || Some(fill(4 * CHUNK, Duration::from_millis(20))),
+            backed(&live),
+        );
+        let Opened::Fuse { fill: Some(f), .. } = &a else {
+            panic!("a slow copy was not served through FUSE");
+        };
+        assert!(f.wait_complete(Duration::from_secs(30)).is_some());
+        // The kernel's RELEASE of the first handle arrives just after the next open.
+        let (t2, fh) = (t.clone(), a.fh());
+        let late = std::thread::spawn(move || {
+            std::thread::sleep(Duration::from_millis(5));
+            t2.release(fh);
+        });
+        let b = t.open_copy(11, &WAIT, || panic!("decoded twice"), backed(&live));
+        late.join().unwrap();
+        assert!(
+            matches!(b, Opened::Passthrough { .. }),
+            "the reopen stayed in FUSE"
+        );
+    }
+
+    #[test]
+    fn copies_outlive_the_last_close_by_the_grace_period() {
+        let t = OpenTable::new(Duration::from_secs(60));
+        let live = Arc::new(AtomicUsize::new(0));
+        let o = t.open_copy(
+            2,
+            &WAIT,
+            || Some(fill(CHUNK, Duration::ZERO)),
+            backed(&live),
+        );
+        assert_eq!(t.kept_bytes(), 0, "an open copy counted as kept");
+        t.release(o.fh());
+        assert_eq!(t.kept_bytes(), CHUNK);
+        assert_eq!(t.expire(Instant::now()), 0, "let go before the grace ended");
+        assert_eq!(t.expire(Instant::now() + Duration::from_secs(61)), CHUNK);
+        assert_eq!(t.kept_bytes(), 0);
+        // The next open decodes again.
+        let started = Arc::new(AtomicBool::new(false));
+        let s = started.clone();
+        let o = t.open_copy(
+            2,
+            &WAIT,
+            || {
+                s.store(true, Ordering::SeqCst);
+                Some(fill(CHUNK, Duration::ZERO))
+            },
+            backed(&live),
+        );
+        assert!(started.load(Ordering::SeqCst));
+        t.release(o.fh());
+    }
+
+    #[test]
+    fn room_is_made_from_old_closed_copies_then_the_farthest_ahead() {
+        let t: OpenTable<Id> = OpenTable::new(Duration::from_secs(60));
+        let live = Arc::new(AtomicUsize::new(0));
+        for (ino, rank) in [(20, 0), (21, 1), (22, 2)] {
+            assert!(matches!(
+                t.decode_ahead(ino, rank, || Some(fill(CHUNK, Duration::ZERO))),
+                Ahead::Started(_)
+            ));
+        }
+        // Decoding ahead never takes a file that has a copy.
+        assert!(matches!(
+            t.decode_ahead(20, 0, || panic!("twice")),
+            Ahead::Skipped
+        ));
+        let a = t.open_copy(
+            30,
+            &WAIT,
+            || Some(fill(CHUNK, Duration::ZERO)),
+            backed(&live),
+        );
+        t.release(a.fh());
+        // The closed copy goes first, then the farthest ahead (22).
+        assert_eq!(t.make_room(1), CHUNK);
+        let kept = |ino| t.inode(ino).state.lock().fill.is_some();
+        assert!(!kept(30) && kept(20) && kept(21) && kept(22));
+        assert_eq!(t.make_room(CHUNK + 1), 2 * CHUNK);
+        assert!(kept(20) && !kept(21) && !kept(22));
+        // The copy decoded ahead serves the first open of its file.
+        let o = t.open_copy(20, &WAIT, || panic!("decoded again"), backed(&live));
+        assert!(t.make_room(u64::MAX) == 0, "an open copy let go");
+        t.release(o.fh());
     }
 }

@@ -189,6 +189,40 @@ impl Shard {
         }
     }
 
+    /// Turn `buf`, which holds the sealed bytes at `pos`, into view bytes in place: the
+    /// header part replaced by the unlocked header, locked values decoded, on all cores
+    /// when large. `raw` reads the sealed bytes of values cut by either end.
+    pub fn unlock_in_place(
+        &self,
+        pos: u64,
+        buf: &mut [u8],
+        raw: &RawReader<'_>,
+    ) -> std::result::Result<(), ReadError> {
+        let end = pos + buf.len() as u64;
+        debug_assert!(end <= self.file_len);
+        let mut at = pos;
+        if at < self.data_start {
+            let upto = end.min(self.data_start);
+            buf[..(upto - pos) as usize]
+                .copy_from_slice(&self.view_header[pos as usize..upto as usize]);
+            at = upto;
+        }
+        if at >= end {
+            return Ok(());
+        }
+        let data = &mut buf[(at - pos) as usize..];
+        let threads = rayon::current_num_threads();
+        if data.len() >= 2 * PARALLEL_MIN && threads > 1 {
+            use rayon::prelude::*;
+            let piece = data.len().div_ceil(threads).max(PARALLEL_MIN);
+            data.par_chunks_mut(piece)
+                .enumerate()
+                .try_for_each(|(i, part)| self.decode_span(at + (i * piece) as u64, part, raw))
+        } else {
+            self.decode_span(at, data, raw)
+        }
+    }
+
     /// Read and decode data bytes a cache-sized chunk at a time: each chunk is decoded
     /// while the copy that brought it is still in the core's cache.
     fn read_data(

@@ -254,6 +254,80 @@ impl View {
         }
     }
 
+    /// Bytes at `off` without the integrity check, for a caller that serves nothing before
+    /// the verdict ([`crate::fill::Fill`]); how many, cut at the end of the file.
+    pub fn read_unchecked(&self, ino: Ino, off: u64, out: &mut [u8]) -> Result<usize, ReadError> {
+        self.read_unverified(ino, off, out)
+    }
+
+    /// The source object whose bytes a file of the view shows (decoded or not); `None`
+    /// for bytes held in memory.
+    pub fn sealed_object(&self, ino: Ino) -> Result<Option<&Arc<dyn Object>>, ReadError> {
+        let node = self.node(ino).ok_or(ReadError::NotFound)?;
+        match &node.content {
+            Content::Shard { object, .. } | Content::Verbatim(object) => Ok(Some(object)),
+            Content::Memory(_) => Ok(None),
+            Content::Dir(_) => Err(ReadError::IsDir),
+        }
+    }
+
+    /// Turn `buf`, which holds the bytes of [`View::sealed_object`] at `off` (nothing for
+    /// bytes held in memory), into the file's view bytes in place, without the integrity
+    /// check, for a copy that serves nothing before the verdict ([`crate::fill::Fill`]).
+    /// Fails if the sealed file changed since mounting.
+    pub fn unlock_in_place(&self, ino: Ino, off: u64, buf: &mut [u8]) -> Result<(), ReadError> {
+        let node = self.node(ino).ok_or(ReadError::NotFound)?;
+        if off + buf.len() as u64 > node.attr.size {
+            return Err(ReadError::Io(std::io::Error::other(
+                "past the end of the file",
+            )));
+        }
+        match &node.content {
+            Content::Dir(_) => return Err(ReadError::IsDir),
+            Content::Memory(bytes) => {
+                buf.copy_from_slice(&bytes[off as usize..off as usize + buf.len()]);
+            }
+            Content::Verbatim(object) => {
+                // Under a manifest the bytes checked must be the bytes served.
+                if node.integrity.is_some() {
+                    object.check_unchanged()?;
+                }
+            }
+            Content::Shard { object, shard } => {
+                let raw = |at: u64, b: &mut [u8]| source::raw_read(&**object, at, b);
+                shard.unlock_in_place(off, buf, &raw)?;
+                Stats::add(&self.stats.bytes_decoded, buf.len() as u64);
+                // Checked after the sealed bytes were fetched: a change before or during
+                // the fetch is caught.
+                if off + buf.len() as u64 > shard.data_start {
+                    object.check_unchanged()?;
+                }
+            }
+        }
+        Ok(())
+    }
+
+    /// Tell the kernel the sealed bytes behind `[off, off + len)` of a file will be read
+    /// soon, so the disk reads them while the cores decode what came before (local files).
+    pub fn will_read(&self, ino: Ino, off: u64, len: u64) {
+        let Ok(Some(object)) = self.sealed_object(ino) else {
+            return;
+        };
+        let Ok(Some(file)) = object.local_file() else {
+            return;
+        };
+        use std::os::fd::AsRawFd;
+        // SAFETY: advice on an open descriptor; the kernel reads ahead asynchronously.
+        unsafe {
+            libc::posix_fadvise(
+                file.as_raw_fd(),
+                off as libc::off_t,
+                len as libc::off_t,
+                libc::POSIX_FADV_WILLNEED,
+            )
+        };
+    }
+
     fn read_unverified(&self, ino: Ino, off: u64, out: &mut [u8]) -> Result<usize, ReadError> {
         let node = self.node(ino).ok_or(ReadError::NotFound)?;
         let len = node.attr.size.saturating_sub(off).min(out.len() as u64) as usize;

@@ -1,0 +1,267 @@
+//! The first load in passthrough mode, through the kernel: opens served while the decoded
+//! copy fills (pread, mmap, many threads, reopens), passthrough once it is complete, one
+//! decode for tensor-parallel opens, a corrupt value met mid-fill (EIO for the reads that
+//! touch it, right bytes elsewhere), and decode ahead after mounting.
+
+mod common;
+
+use std::fs::{self, File, OpenOptions};
+use std::os::unix::fs::FileExt;
+use std::path::Path;
+use std::process::{Command, Stdio};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use common::*;
+use kllm_mount::lock::Version;
+
+const KEY: [u8; 32] = [0x6b; 32];
+const BIG: &str = "model-00002-of-00002.safetensors";
+const SMALL: &str = "model-00001-of-00002.safetensors";
+
+/// A sample whose big shard (about 200 MiB, 25 chunks of the fill), once evicted from the
+/// page cache, takes long enough to decode that opens arrive while its copy fills.
+fn sample() -> Sample {
+    Sample::new(KEY, 2048, 8, Some(Version::V2), |_| {})
+}
+
+/// Drop a file's pages from the page cache, so its first reader waits for the disk.
+fn evict(path: &Path) {
+    use std::os::fd::AsRawFd;
+    let f = File::open(path).unwrap();
+    f.sync_all().unwrap();
+    // SAFETY: advice on a descriptor we hold.
+    unsafe { libc::posix_fadvise(f.as_raw_fd(), 0, 0, libc::POSIX_FADV_DONTNEED) };
+}
+
+fn mount(s: &Sample, m: &Mnt, log: &Path, extra: &[&str]) -> i32 {
+    let mut c = m.cmd(&s.sealed());
+    c.arg("--key")
+        .arg(s.key_file())
+        .arg("--log-file")
+        .arg(log)
+        .args(["--mode", "passthrough"])
+        .args(extra)
+        .env("RUST_LOG", "kllm_mount=debug");
+    m.mount(c)
+}
+
+fn log_lines(log: &Path, needle: &str) -> Vec<String> {
+    fs::read_to_string(log)
+        .unwrap_or_default()
+        .lines()
+        .filter(|l| l.contains(needle))
+        .map(str::to_string)
+        .collect()
+}
+
+fn decodes_of(log: &Path, rel: &str) -> usize {
+    log_lines(log, &format!("{rel}: decoded ")).len()
+}
+
+/// Retry `f` for up to `secs`.
+fn wait_for(secs: u64, what: &str, mut f: impl FnMut() -> bool) {
+    let deadline = Instant::now() + Duration::from_secs(secs);
+    while !f() {
+        assert!(Instant::now() < deadline, "{what}: not within {secs} s");
+        std::thread::sleep(Duration::from_millis(20));
+    }
+}
+
+/// The daemon's counter `name` (docs/STATUS.md).
+fn counter(m: &Mnt, name: &str) -> u64 {
+    let v = kllm_mount::status::query(&m.path("")).expect("status");
+    v[name]
+        .as_u64()
+        .unwrap_or_else(|| panic!("no counter {name} in {v}"))
+}
+
+fn read_all(f: &File, len: usize) -> Vec<u8> {
+    let mut out = vec![0u8; len];
+    f.read_exact_at(&mut out, 0).unwrap();
+    out
+}
+
+#[test]
+fn the_first_open_reads_while_the_copy_fills_and_later_opens_get_passthrough() {
+    let s = sample();
+    let want = Arc::new(s.view()[BIG].clone());
+    evict(&s.sealed().join(BIG));
+    let m = Mnt::new();
+    let log = m.scratch().join("log");
+    mount(&s, &m, &log, &["--no-decode-ahead"]);
+
+    // The first 4 KiB come before the copy is complete: the open did not wait for it.
+    let held = File::open(m.path(BIG)).unwrap();
+    let mut head = vec![0u8; 4096];
+    held.read_exact_at(&mut head, 0).unwrap();
+    assert!(head[..] == want[..4096], "first 4 KiB differ");
+    assert_eq!(
+        decodes_of(&log, BIG),
+        0,
+        "the open waited for the whole decode"
+    );
+    assert_eq!(counter(&m, "passthrough_opens"), 0);
+
+    // Many threads with their own descriptors, each a quarter in 1 MiB reads, a reopen,
+    // and a mapping, all while the copy may still be filling.
+    let len = want.len();
+    let readers: Vec<_> = (0..4)
+        .map(|q| {
+            let (path, want) = (m.path(BIG), want.clone());
+            std::thread::spawn(move || {
+                let f = File::open(path).unwrap();
+                let (a, b) = (len * q / 4, len * (q + 1) / 4);
+                let mut off = a;
+                while off < b {
+                    let n = (1 << 20).min(b - off);
+                    let mut buf = vec![0u8; n];
+                    f.read_exact_at(&mut buf, off as u64).unwrap();
+                    assert!(buf[..] == want[off..off + n], "thread {q}: bytes at {off}");
+                    off += n;
+                }
+            })
+        })
+        .collect();
+    // SAFETY: the view is read-only and immutable while mounted.
+    let map = unsafe { memmap2::Mmap::map(&held) }.unwrap();
+    assert!(map[..] == want[..], "mmap differs");
+    for r in readers {
+        r.join().unwrap();
+    }
+    drop(map);
+    wait_for(60, "the copy completes", || decodes_of(&log, BIG) == 1);
+    // Still open through FUSE: a reopen joins it there, reading the completed copy.
+    let again = File::open(m.path(BIG)).unwrap();
+    assert!(
+        read_all(&again, len) == *want,
+        "reopen during the FUSE phase"
+    );
+    assert_eq!(counter(&m, "passthrough_opens"), 0);
+    drop((held, again));
+
+    // All closed: the next open is handed the complete copy, with no second decode.
+    wait_for(10, "a passthrough open after the last close", || {
+        let f = File::open(m.path(BIG)).unwrap();
+        let got = read_all(&f, len);
+        assert!(got == *want, "passthrough bytes differ");
+        counter(&m, "passthrough_opens") > 0
+    });
+    assert_eq!(decodes_of(&log, BIG), 1, "decoded twice");
+}
+
+#[test]
+fn tensor_parallel_opens_during_the_fill_decode_once() {
+    let s = sample();
+    let m = Mnt::new();
+    let log = m.scratch().join("log");
+    mount(&s, &m, &log, &["--no-decode-ahead"]);
+    let want = m.scratch().join("want");
+    fs::write(&want, &s.view()[BIG]).unwrap();
+    evict(&s.sealed().join(BIG));
+    let ranks: Vec<_> = (0..4)
+        .map(|_| {
+            Command::new("cmp")
+                .arg(m.path(BIG))
+                .arg(&want)
+                .stdout(Stdio::null())
+                .spawn()
+                .unwrap()
+        })
+        .collect();
+    for mut r in ranks {
+        assert!(r.wait().unwrap().success(), "a rank saw other bytes");
+    }
+    wait_for(60, "the copy completes", || decodes_of(&log, BIG) == 1);
+    std::thread::sleep(Duration::from_millis(300));
+    assert_eq!(decodes_of(&log, BIG), 1, "decoded more than once");
+}
+
+#[test]
+fn a_corrupt_value_met_mid_fill_fails_only_the_reads_that_touch_it() {
+    let s = sample();
+    let want = s.view()[BIG].clone();
+    // One BF16 code outside every locked domain, two thirds into the data.
+    let path = s.sealed().join(BIG);
+    let sealed = fs::read(&path).unwrap();
+    let data_start = 8 + u64::from_le_bytes(sealed[..8].try_into().unwrap()) as usize;
+    let bad = (data_start + (sealed.len() - data_start) * 2 / 3) & !1;
+    let f = OpenOptions::new().write(true).open(&path).unwrap();
+    f.write_all_at(&[0xff, 0xff], bad as u64).unwrap();
+    f.sync_all().unwrap();
+    drop(f);
+
+    let m = Mnt::new();
+    let log = m.scratch().join("log");
+    mount(&s, &m, &log, &["--no-decode-ahead"]);
+    for pass in ["while filling", "after the fill"] {
+        let f = open_direct(&m.path(BIG));
+        let mut failed = Vec::new();
+        let step = 1usize << 20;
+        for off in (0..want.len()).step_by(step) {
+            let end = (off + step).min(want.len());
+            match pread(&f, off as u64, end - off) {
+                Ok(got) => assert!(got == want[off..end], "{pass}: wrong bytes at {off}"),
+                Err(e) => {
+                    assert_eq!(e.raw_os_error(), Some(libc::EIO), "{pass} at {off}: {e}");
+                    failed.push(off);
+                }
+            }
+        }
+        assert_eq!(
+            failed,
+            [bad / step * step],
+            "{pass}: EIO elsewhere than the bad value"
+        );
+        drop(f);
+        wait_for(60, "the fill ends", || {
+            !log_lines(&log, &format!("{BIG}: 1 chunks not decoded")).is_empty()
+        });
+    }
+    assert_eq!(
+        decodes_of(&log, BIG),
+        0,
+        "a copy with a bad chunk handed to the kernel"
+    );
+    assert_eq!(counter(&m, "passthrough_opens"), 0);
+}
+
+#[test]
+fn shards_are_decoded_ahead_in_load_order_and_found_by_their_first_open() {
+    let s = sample();
+    let want = s.view();
+    let m = Mnt::new();
+    let log = m.scratch().join("log");
+    mount(&s, &m, &log, &[]);
+    // Nothing opened: both shards decoded, the first of the index first.
+    wait_for(60, "decode ahead", || decodes_of(&log, BIG) == 1);
+    let decoded = log_lines(&log, ": decoded ");
+    let first = |rel: &str| decoded.iter().position(|l| l.contains(rel)).unwrap();
+    assert!(first(SMALL) < first(BIG), "not in index order: {decoded:?}");
+    assert_eq!(counter(&m, "opens"), 0);
+    for rel in [SMALL, BIG] {
+        let f = File::open(m.path(rel)).unwrap();
+        assert!(read_all(&f, want[rel].len()) == want[rel], "{rel} differs");
+    }
+    assert_eq!(
+        counter(&m, "passthrough_opens"),
+        2,
+        "not served from the copies"
+    );
+    assert_eq!(decodes_of(&log, BIG), 1);
+}
+
+#[test]
+fn no_decode_ahead_leaves_shards_until_opened() {
+    let s = Sample::new(KEY, 256, 2, Some(Version::V2), |_| {});
+    let m = Mnt::new();
+    let log = m.scratch().join("log");
+    mount(&s, &m, &log, &["--no-decode-ahead"]);
+    std::thread::sleep(Duration::from_millis(500));
+    assert!(
+        log_lines(&log, ": decoded ").is_empty(),
+        "decoded before any open"
+    );
+    let f = File::open(m.path(BIG)).unwrap();
+    assert!(read_all(&f, s.view()[BIG].len()) == s.view()[BIG]);
+}
