@@ -10,7 +10,7 @@
 //! together stay within the limit: a container or unit with a memory limit is never pushed
 //! past it by default, and a shard that does not fit is served through FUSE.
 
-use crate::limits::{Limit, Source};
+use crate::limits::{Limit, Origin};
 
 const MIB: u64 = 1 << 20;
 
@@ -66,13 +66,13 @@ impl Budgets {
     /// is taken as given ([`Budgets::warnings`] says when that is past the limit).
     pub fn decide(flags: Flags, limit: Limit, in_use: u64, threads: usize) -> Budgets {
         let mut reserved = in_use.saturating_add(headroom(threads));
-        if matches!(limit.source, Source::RlimitAs | Source::RlimitData) {
+        if matches!(limit.source, Origin::RlimitAs | Origin::RlimitData) {
             reserved = reserved.saturating_add(address_space_reserve(threads));
         }
         let usable = limit.bytes.saturating_sub(reserved);
         let block_cache = flags.cache_size.unwrap_or(DEFAULT_CACHE.min(usable / 4));
         let passthrough_memory = flags.passthrough_memory.unwrap_or(match limit.source {
-            Source::Machine => limit.bytes / 2,
+            Origin::Machine => limit.bytes / 2,
             _ => usable.saturating_sub(block_cache),
         });
         Budgets {
@@ -131,14 +131,14 @@ mod tests {
     fn machine(bytes: u64) -> Limit {
         Limit {
             bytes,
-            source: Source::Machine,
+            source: Origin::Machine,
         }
     }
 
     fn cgroup(bytes: u64) -> Limit {
         Limit {
             bytes,
-            source: Source::Cgroup {
+            source: Origin::Cgroup {
                 file: PathBuf::from("/sys/fs/cgroup/memory.max"),
                 key: None,
             },
@@ -182,7 +182,7 @@ mod tests {
     fn rlimit_as_keeps_the_threads_address_space_back() {
         let limit = Limit {
             bytes: 4 * GIB,
-            source: Source::RlimitAs,
+            source: Origin::RlimitAs,
         };
         let b = Budgets::decide(Flags::default(), limit, 8 * MIB, 4);
         assert_eq!(b.reserved, 8 * MIB + headroom(4) + 768 * MIB);

@@ -71,10 +71,10 @@ pub struct Args {
     /// Threads serving kernel requests.
     #[arg(long, value_name = "N", default_value_t = default_threads())]
     pub threads: usize,
-    /// How reads are served: `passthrough` decodes a locked shard whole into private
-    /// memory on its first open, and the kernel then serves it without the daemon (root,
-    /// Linux 6.9+); `fuse` serves every read through the daemon; `auto` picks passthrough
-    /// where possible.
+    /// How reads are served: `passthrough` decodes each locked shard into private memory
+    /// (ahead of its first open by default), and once a copy is complete the kernel serves
+    /// it without the daemon (root, Linux 6.9+); `fuse` serves every read through the
+    /// daemon; `auto` picks passthrough where possible.
     #[arg(long, value_enum, default_value_t = Requested::Auto)]
     pub mode: Requested,
     /// Memory for decoded shards in passthrough mode (K/M/G suffixes); an open past it is

@@ -66,7 +66,7 @@ pub struct Target {
 pub type FetchFn = dyn Fn(u64, &mut [u8]) -> io::Result<()> + Send + Sync;
 
 /// Where a fill's bytes come from.
-pub struct Source {
+pub struct Input {
     /// The sealed bytes of a chunk into its place in the copy.
     pub fetch: Box<FetchFn>,
     /// The fetched bytes of a chunk turned into view bytes in place.
@@ -128,7 +128,7 @@ struct Inner {
     map: Option<memmap2::MmapRaw>,
     file: Mutex<Option<File>>,
     seal: Mutex<Option<Box<SealFn>>>,
-    source: Source,
+    source: Input,
     state: Mutex<State>,
     changed: Condvar,
     started: Instant,
@@ -146,7 +146,7 @@ impl Fill {
     /// log lines.
     pub fn start(
         target: Target,
-        source: Source,
+        source: Input,
         priority: Priority,
         label: String,
     ) -> io::Result<Fill> {
@@ -271,7 +271,7 @@ impl Fill {
             (None, Some(o)) => crate::source::raw_read(&**o, off, buf),
             (None, None) => Ok(()),
         };
-        let source = Source {
+        let source = Input {
             fetch: Box::new(fetch),
             unlock: Box::new(move |off, buf| u.unlock_in_place(ino, off, buf)),
             decode: Box::new(decode),
@@ -788,10 +788,10 @@ mod tests {
         decode: impl Fn(u64, &mut [u8]) -> Result<(), ReadError> + Send + Sync + 'static,
         check: Option<Arc<CheckFn>>,
         prefetch: Option<Box<PrefetchFn>>,
-    ) -> Source {
+    ) -> Input {
         let d = Arc::new(decode);
         let e = d.clone();
-        Source {
+        Input {
             fetch: Box::new(|_, _| Ok(())),
             unlock: Box::new(move |off, buf| d(off, buf)),
             decode: Box::new(move |off, buf| e(off, buf)),
@@ -802,11 +802,11 @@ mod tests {
 
     fn source(
         decode: impl Fn(u64, &mut [u8]) -> Result<(), ReadError> + Send + Sync + 'static,
-    ) -> Source {
+    ) -> Input {
         with(decode, None, None)
     }
 
-    fn start(len: u64, src: Source, p: Priority) -> Fill {
+    fn start(len: u64, src: Input, p: Priority) -> Fill {
         Fill::start(scratch(len), src, p, "test".into()).unwrap()
     }
 
@@ -960,7 +960,7 @@ mod tests {
         // unlocked before its fetch, or fetched twice over an unlocked chunk, reads wrong.
         let fetches = Arc::new(AtomicUsize::new(0));
         let f2 = fetches.clone();
-        let src = Source {
+        let src = Input {
             fetch: Box::new(move |off, buf: &mut [u8]| {
                 f2.fetch_add(1, Ordering::SeqCst);
                 std::thread::sleep(Duration::from_millis(5));

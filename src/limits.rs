@@ -39,7 +39,7 @@ pub struct Cgroup {
 
 /// Where a limit comes from.
 #[derive(Debug, Clone, PartialEq, Eq)]
-pub enum Source {
+pub enum Origin {
     /// `MemTotal` in /proc/meminfo.
     Machine,
     /// A memory cgroup's limit: the file as the process sees it, and for cgroup v1's
@@ -54,31 +54,31 @@ pub enum Source {
     RlimitData,
 }
 
-impl fmt::Display for Source {
+impl fmt::Display for Origin {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         match self {
-            Source::Machine => f.write_str("the machine's memory (MemTotal, /proc/meminfo)"),
-            Source::Cgroup { file, key: None } => {
+            Origin::Machine => f.write_str("the machine's memory (MemTotal, /proc/meminfo)"),
+            Origin::Cgroup { file, key: None } => {
                 write!(f, "the memory cgroup's limit ({})", file.display())
             }
-            Source::Cgroup {
+            Origin::Cgroup {
                 file,
                 key: Some(key),
             } => write!(f, "the memory cgroup's limit ({key} in {})", file.display()),
-            Source::RlimitAs => f.write_str("RLIMIT_AS (ulimit -v)"),
-            Source::RlimitData => f.write_str("RLIMIT_DATA (ulimit -d)"),
+            Origin::RlimitAs => f.write_str("RLIMIT_AS (ulimit -v)"),
+            Origin::RlimitData => f.write_str("RLIMIT_DATA (ulimit -d)"),
         }
     }
 }
 
-impl Source {
+impl Origin {
     /// A short name for `--status`: `machine`, `cgroup`, `rlimit_as`, `rlimit_data`.
     pub fn kind(&self) -> &'static str {
         match self {
-            Source::Machine => "machine",
-            Source::Cgroup { .. } => "cgroup",
-            Source::RlimitAs => "rlimit_as",
-            Source::RlimitData => "rlimit_data",
+            Origin::Machine => "machine",
+            Origin::Cgroup { .. } => "cgroup",
+            Origin::RlimitAs => "rlimit_as",
+            Origin::RlimitData => "rlimit_data",
         }
     }
 }
@@ -87,7 +87,7 @@ impl Source {
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Limit {
     pub bytes: u64,
-    pub source: Source,
+    pub source: Origin,
 }
 
 impl fmt::Display for Limit {
@@ -158,15 +158,15 @@ impl Limits {
             self.cgroup_limit.clone(),
             self.rlimits.address_space.map(|bytes| Limit {
                 bytes,
-                source: Source::RlimitAs,
+                source: Origin::RlimitAs,
             }),
             self.rlimits.data.map(|bytes| Limit {
                 bytes,
-                source: Source::RlimitData,
+                source: Origin::RlimitData,
             }),
             Some(Limit {
                 bytes: self.machine,
-                source: Source::Machine,
+                source: Origin::Machine,
             }),
         ];
         candidates
@@ -181,17 +181,17 @@ impl Limits {
     /// the rlimits, the process's VmSize or VmData. `None` when it cannot be read.
     pub fn usage(&self) -> Option<u64> {
         match self.effective().source {
-            Source::Cgroup { file, .. } => {
+            Origin::Cgroup { file, .. } => {
                 let cgroup = self.cgroup.as_ref()?;
                 let dir = self.root.join(file.strip_prefix("/").ok()?);
                 cgroup.unreclaimable(dir.parent()?)
             }
-            Source::Machine => {
+            Origin::Machine => {
                 let available = meminfo(&self.root, "MemAvailable")?;
                 Some(self.machine.saturating_sub(available))
             }
-            Source::RlimitAs => proc_status(&self.root, "VmSize"),
-            Source::RlimitData => proc_status(&self.root, "VmData"),
+            Origin::RlimitAs => proc_status(&self.root, "VmSize"),
+            Origin::RlimitData => proc_status(&self.root, "VmData"),
         }
     }
 
@@ -265,7 +265,7 @@ impl Cgroup {
                     .reduce(|least, c| if c.0 < least.0 { c } else { least })
                     .map(|(bytes, file, key)| Limit {
                         bytes,
-                        source: Source::Cgroup {
+                        source: Origin::Cgroup {
                             file: shown(&file),
                             key,
                         },
@@ -293,7 +293,7 @@ impl Cgroup {
                 }
                 least.map(|(bytes, file)| Limit {
                     bytes,
-                    source: Source::Cgroup {
+                    source: Origin::Cgroup {
                         file: shown(&file),
                         key: None,
                     },
@@ -450,8 +450,8 @@ mod tests {
         Limits::read(&root, rlimits)
     }
 
-    fn cgroup_file(file: &str, key: Option<&'static str>) -> Source {
-        Source::Cgroup {
+    fn cgroup_file(file: &str, key: Option<&'static str>) -> Origin {
+        Origin::Cgroup {
             file: file.into(),
             key,
         }
@@ -549,7 +549,7 @@ mod tests {
                 l.effective(),
                 Limit {
                     bytes: 8 * 1024 * MIB,
-                    source: Source::Machine
+                    source: Origin::Machine
                 },
                 "{case}"
             );
@@ -568,11 +568,11 @@ mod tests {
             data,
         };
         let l = limits_with("no-cgroup-mounted", rl(Some(4096 * MIB), Some(3072 * MIB)));
-        assert_eq!(l.effective().source, Source::RlimitData);
+        assert_eq!(l.effective().source, Origin::RlimitData);
         assert_eq!(l.effective().bytes, 3072 * MIB);
         assert_eq!(l.usage(), Some(512 * MIB), "VmData");
         let l = limits_with("no-cgroup-mounted", rl(Some(2048 * MIB), None));
-        assert_eq!(l.effective().source, Source::RlimitAs);
+        assert_eq!(l.effective().source, Origin::RlimitAs);
         assert_eq!(l.usage(), Some(2048 * MIB), "VmSize");
         // Above the cgroup's limit they do not bind.
         let l = limits_with("v1-hybrid", rl(Some(4096 * MIB), Some(4096 * MIB)));

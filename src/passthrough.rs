@@ -1143,7 +1143,7 @@ mod tests {
         assert_eq!(t.open_handles(), (0, 0));
     }
 
-    use crate::fill::{Source, Target, CHUNK};
+    use crate::fill::{Input, Target, CHUNK};
 
     /// A fill of `len` bytes into a scratch file, each chunk taking `per_chunk`.
     fn fill(len: u64, per_chunk: Duration) -> Arc<Fill> {
@@ -1154,7 +1154,7 @@ mod tests {
             }
             Ok(())
         };
-        let source = Source {
+        let source = Input {
             fetch: Box::new(|_, _| Ok(())),
             unlock: Box::new(make),
             decode: Box::new(make),
