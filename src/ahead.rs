@@ -14,7 +14,7 @@ use std::cmp::Ordering;
 use std::sync::Arc;
 use std::time::Duration;
 
-use crate::passthrough::{Ahead, ServeMode};
+use crate::fill::Fill;
 use crate::view::{Content, Ino, View};
 
 /// The index engines read to find the shards of a sharded checkpoint.
@@ -118,14 +118,24 @@ fn trim_zeros(s: &[u8]) -> &[u8] {
     &s[z..]
 }
 
+/// What a request to decode a file ahead did.
+pub enum Ahead {
+    Started(Arc<Fill>),
+    /// Opened already, or decoded already.
+    Skipped,
+    /// The budget has no room for it now.
+    NoRoom,
+}
+
 /// Start decoding ahead on a thread of its own: `decode(ino, rank)` asks for one shard's
-/// copy (see `OpenTable::decode_ahead`).
+/// copy (see `OpenTable::decode_ahead`); `budget()` is the passthrough memory while
+/// passthrough is on, `None` once it is off.
 pub fn start(
     view: Arc<View>,
-    mode: Arc<ServeMode>,
+    budget: impl Fn() -> Option<u64> + Send + 'static,
     decode: impl Fn(Ino, usize) -> Ahead + Send + 'static,
 ) {
-    let run = move || run(&view, &mode, decode);
+    let run = move || run(&view, budget, decode);
     if let Err(e) = std::thread::Builder::new()
         .name("kllm-ahead".into())
         .spawn(run)
@@ -134,15 +144,15 @@ pub fn start(
     }
 }
 
-fn run(view: &View, mode: &ServeMode, decode: impl Fn(Ino, usize) -> Ahead) {
+fn run(view: &View, budget: impl Fn() -> Option<u64>, decode: impl Fn(Ino, usize) -> Ahead) {
     let order = order(view);
     log::debug!("decode ahead: {} shards", order.len());
     for (rank, &ino) in order.iter().enumerate() {
         loop {
-            let Some(memory) = mode.passthrough() else {
+            let Some(budget) = budget() else {
                 return;
             };
-            if view.node(ino).map_or(0, |n| n.attr.size) > memory.budget() {
+            if view.node(ino).map_or(0, |n| n.attr.size) > budget {
                 break;
             }
             match decode(ino, rank) {

@@ -18,6 +18,7 @@ use std::time::{Duration, Instant};
 
 use parking_lot::{Condvar, Mutex};
 
+use crate::ahead::Ahead;
 use crate::fill::{Fill, Priority};
 use crate::memfs::{MemoryFile, MemoryFs};
 use crate::pressure::Guard;
@@ -267,7 +268,9 @@ impl<B: Send + Sync + 'static> Opens<B> {
                     table.decode_ahead(ino, rank, start)
                 }
             };
-            crate::ahead::start(self.view.clone(), self.mode.clone(), start);
+            let mode = self.mode.clone();
+            let budget = move || mode.passthrough().map(|m| m.budget());
+            crate::ahead::start(self.view.clone(), budget, start);
         }
     }
 
@@ -612,15 +615,6 @@ struct Handle {
     ino: Ino,
     mode: OpenMode,
     fill: Option<Arc<Fill>>,
-}
-
-/// What a request to decode a file ahead did.
-pub enum Ahead {
-    Started(Arc<Fill>),
-    /// Opened already, or decoded already.
-    Skipped,
-    /// The budget has no room for it now.
-    NoRoom,
 }
 
 /// The open handles of every inode, and the decoded copies of files with none.

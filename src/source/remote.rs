@@ -33,8 +33,8 @@ use object_store::{
 use parking_lot::Mutex;
 
 use super::node_cache::NodeCache;
+use super::{Attr, Kind};
 use super::{Entry, Object};
-use crate::view::{Attr, Kind};
 use crate::{Error, ReadError, Result};
 
 /// How remote reads are cut and bounded.
