@@ -33,7 +33,9 @@ import time
 MiB = 1 << 20
 READ = 1 << 20
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-TARGET = os.environ.get("CARGO_TARGET_DIR", os.path.join(ROOT, "target"))
+# Where cargo builds (CARGO_TARGET_DIR, a cargo config's target-dir, else target/).
+TARGET = subprocess.run([os.path.join(ROOT, "scripts", "target-dir")], check=True,
+                        capture_output=True, text=True).stdout.strip()
 KLLM = os.path.join(TARGET, "release", "kllm-mount")
 GEN = os.path.join(TARGET, "release", "examples", "bench-shard")
 
