@@ -362,7 +362,9 @@ impl Fill {
                         s.wanted.push_back(i);
                     }
                     inner.urge(&mut s);
-                    inner.changed.notify_all();
+                    // Only the dispatcher's progress wakes a reader: a reader waking the
+                    // others would have every waiting reader wake each other in turn, and
+                    // spin for as long as the chunk takes.
                     inner.changed.wait(&mut s);
                 }
                 ready.push(s.chunks[i] == Chunk::Done);
@@ -864,6 +866,44 @@ mod tests {
         let seen = order.lock().clone();
         assert!(seen.len() < 10 && seen.contains(&39), "{seen:?}");
         drop(f);
+    }
+
+    /// CPU time of the calling thread.
+    fn thread_cpu() -> Duration {
+        let mut t = libc::timespec {
+            tv_sec: 0,
+            tv_nsec: 0,
+        };
+        // SAFETY: `t` is a valid timespec for the call to fill.
+        unsafe { libc::clock_gettime(libc::CLOCK_THREAD_CPUTIME_ID, &mut t) };
+        Duration::new(t.tv_sec as u64, t.tv_nsec as u32)
+    }
+
+    #[test]
+    fn readers_waiting_for_a_chunk_sleep() {
+        // Eight readers (tensor-parallel ranks) wait 400 ms for the first chunk. Waiting
+        // must cost them nothing: before the fix each waiter woke the others in turn, and
+        // together they spun on both cores for as long as the chunk took.
+        let slow = move |off: u64, buf: &mut [u8]| {
+            std::thread::sleep(Duration::from_millis(400));
+            decode_ok(off, buf)
+        };
+        let f = Arc::new(start(2 * CHUNK, source(slow), Priority::Demand));
+        let readers: Vec<_> = (0..8)
+            .map(|k| {
+                let f = f.clone();
+                std::thread::spawn(move || {
+                    let cpu = thread_cpu();
+                    let mut out = vec![0u8; 4096];
+                    f.read(k * 4096, &mut out).unwrap();
+                    expect(k * 4096, &out);
+                    thread_cpu() - cpu
+                })
+            })
+            .collect();
+        let spent: Vec<Duration> = readers.into_iter().map(|r| r.join().unwrap()).collect();
+        let total: Duration = spent.iter().sum();
+        assert!(total < Duration::from_millis(100), "{spent:?}");
     }
 
     #[test]
