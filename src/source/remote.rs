@@ -223,6 +223,8 @@ struct Slot {
     fut: PartFuture,
     /// Fetched ahead of its reader, and not read yet.
     unread: bool,
+    /// Bytes of it handed to readers so far.
+    consumed: u64,
 }
 
 /// The parts kept, over all objects of a source, least recently used first.
@@ -425,12 +427,31 @@ impl Remote {
         let slot = Slot {
             fut: fut.clone(),
             unread: ahead,
+            consumed: 0,
         };
         *unread += ahead as usize;
         if let Some((_, gone)) = lru.push((obj.id, idx), slot) {
             *unread -= gone.unread as usize;
         }
         Some(fut)
+    }
+
+    /// Readers took `n` more bytes of part `idx` of object `id`. A part read through is let
+    /// go at once: a loader (or a fill) reads each part once, and keeping it would only
+    /// make every later part land in fresh memory (on this VM the dearest kind), and hold
+    /// sealed bytes the decoded copy or block cache already answers for.
+    fn consumed(&self, id: u64, idx: u64, n: u64, part_len: u64) {
+        let mut parts = self.parts.lock();
+        let through = match parts.lru.peek_mut(&(id, idx)) {
+            Some(slot) => {
+                slot.consumed += n;
+                slot.consumed >= part_len && !slot.unread
+            }
+            None => false,
+        };
+        if through {
+            parts.lru.pop(&(id, idx));
+        }
     }
 
     /// Start fetching part `idx` of `obj` on the runtime; the future resolves to its bytes.
@@ -750,6 +771,9 @@ impl Object for RemoteObject {
             let hi = end.min(range.end);
             buf[(lo - off) as usize..(hi - off) as usize]
                 .copy_from_slice(&bytes[(lo - range.start) as usize..(hi - range.start) as usize]);
+            drop(bytes);
+            self.remote
+                .consumed(self.id, idx, hi - lo, range.end - range.start);
         }
         Ok(())
     }
@@ -833,6 +857,24 @@ mod tests {
         assert_eq!(out, bytes);
         let mut past = vec![0u8; 2];
         assert!(obj.read_exact_at(&mut past, 9_999).is_err());
+    }
+
+    #[test]
+    fn parts_read_through_are_let_go() {
+        let bytes: Vec<u8> = (0..10_000u32).map(|i| (i % 253) as u8).collect();
+        let (_, remote, obj) = one_object(&bytes, 1000);
+        let kept = || remote.parts.lock().lru.len();
+        let mut head = vec![0u8; 10];
+        obj.read_exact_at(&mut head, 0).unwrap();
+        assert_eq!(kept(), 1, "a part read in part stays for the rest of it");
+        let mut out = Vec::new();
+        for off in (0..10_000).step_by(700) {
+            let mut buf = vec![0u8; 700.min(10_000 - off)];
+            obj.read_exact_at(&mut buf, off as u64).unwrap();
+            out.extend_from_slice(&buf);
+        }
+        assert_eq!(out, bytes);
+        assert_eq!(kept(), 0, "every part was read through");
     }
 
     #[test]
