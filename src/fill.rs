@@ -343,39 +343,18 @@ impl Fill {
     /// (waiting for the chunks not yet, and moving the decoder to them), else decoded for
     /// this read alone. Never before the file's integrity verdict is good.
     pub fn read(&self, off: u64, out: &mut [u8]) -> Result<usize, ReadError> {
-        let inner = &self.inner;
-        if let Some(check) = &inner.source.check {
-            check()?;
-        }
-        let len = inner.len.saturating_sub(off).min(out.len() as u64) as usize;
-        if len == 0 {
+        let Some((end, ready)) = self.wait_for(off, out.len())? else {
             return Ok(0);
-        }
-        let end = off + len as u64;
-        let (first, last) = ((off / CHUNK) as usize, ((end - 1) / CHUNK) as usize);
-        let mut ready = Vec::with_capacity(last - first + 1);
-        {
-            let mut s = inner.state.lock();
-            for i in first..=last {
-                while matches!(s.chunks[i], Chunk::Pending | Chunk::Busy) && !s.cancelled {
-                    if s.chunks[i] == Chunk::Pending && !s.wanted.contains(&i) {
-                        s.wanted.push_back(i);
-                    }
-                    inner.urge(&mut s);
-                    // Only the dispatcher's progress wakes a reader: a reader waking the
-                    // others would have every waiting reader wake each other in turn, and
-                    // spin for as long as the chunk takes.
-                    inner.changed.wait(&mut s);
-                }
-                ready.push(s.chunks[i] == Chunk::Done);
-            }
-        }
+        };
+        let inner = &self.inner;
         let map = inner.map.as_ref().expect("a non-empty file is mapped");
-        for (k, i) in (first..=last).enumerate() {
+        let first = (off / CHUNK) as usize;
+        for (k, &done) in ready.iter().enumerate() {
+            let i = first + k;
             let a = off.max(i as u64 * CHUNK);
             let b = end.min((i as u64 + 1) * CHUNK);
             let dst = &mut out[(a - off) as usize..(b - off) as usize];
-            if ready[k] {
+            if done {
                 // SAFETY: a Done chunk is never written again and the mapping lives as long
                 // as `inner`.
                 let src = unsafe {
@@ -386,7 +365,57 @@ impl Fill {
                 (inner.source.decode)(a, dst)?;
             }
         }
-        Ok(len)
+        Ok((end - off) as usize)
+    }
+
+    /// The decoded bytes `[off, off + len)`, cut at the file's end, in place in the copy
+    /// (waiting for chunks as `read` does), so a reply needs no copy of its own. `None`
+    /// where a chunk of the range failed: `read` decodes such a range by itself.
+    pub fn decoded(&self, off: u64, len: usize) -> Result<Option<&[u8]>, ReadError> {
+        let Some((end, ready)) = self.wait_for(off, len)? else {
+            return Ok(Some(&[]));
+        };
+        if !ready.iter().all(|&done| done) {
+            return Ok(None);
+        }
+        let map = self.inner.map.as_ref().expect("a non-empty file is mapped");
+        // SAFETY: every chunk of the range is Done, so never written again, and the mapping
+        // lives as long as `self.inner`, which outlives the borrow of `self`.
+        Ok(Some(unsafe {
+            std::slice::from_raw_parts(map.as_ptr().add(off as usize), (end - off) as usize)
+        }))
+    }
+
+    /// Wait until every chunk of `[off, off + len)` (cut at the file's end) is decoded or
+    /// failed, moving the decoder to them; the range's end and, per chunk, whether it is
+    /// decoded. `None` for an empty range. Never before the file's verdict is good.
+    fn wait_for(&self, off: u64, len: usize) -> Result<Option<(u64, Vec<bool>)>, ReadError> {
+        let inner = &self.inner;
+        if let Some(check) = &inner.source.check {
+            check()?;
+        }
+        let len = inner.len.saturating_sub(off).min(len as u64);
+        if len == 0 {
+            return Ok(None);
+        }
+        let end = off + len;
+        let (first, last) = ((off / CHUNK) as usize, ((end - 1) / CHUNK) as usize);
+        let mut ready = Vec::with_capacity(last - first + 1);
+        let mut s = inner.state.lock();
+        for i in first..=last {
+            while matches!(s.chunks[i], Chunk::Pending | Chunk::Busy) && !s.cancelled {
+                if s.chunks[i] == Chunk::Pending && !s.wanted.contains(&i) {
+                    s.wanted.push_back(i);
+                }
+                inner.urge(&mut s);
+                // Only the dispatcher's progress wakes a reader: a reader waking the
+                // others would have every waiting reader wake each other in turn, and
+                // spin for as long as the chunk takes.
+                inner.changed.wait(&mut s);
+            }
+            ready.push(s.chunks[i] == Chunk::Done);
+        }
+        Ok(Some((end, ready)))
     }
 }
 

@@ -304,6 +304,11 @@ impl<B: Send + Sync + 'static> Opens<B> {
         self.table.release(fh)
     }
 
+    /// The decoded copy (filling or complete) a FUSE handle reads from, if any.
+    pub fn fill_of(&self, fh: u64) -> Option<Arc<Fill>> {
+        self.table.fill_of(fh)
+    }
+
     /// Bytes `[off, off + out.len())` of file `ino` for a read through FUSE on handle `fh`:
     /// from the file's decoded copy when the handle has one (filling or complete), else
     /// decoded for this read.
