@@ -54,7 +54,12 @@ def process_cpu_seconds(pid):
 
 def kllm_status(mnt):
     """`kllm-mount --status MNT` as a dict."""
-    p = run([KLLM, "--status", mnt], capture_output=True, text=True, timeout=30)
+    p = run([KLLM, "--status", mnt], capture_output=True, text=True, timeout=30, check=False)
+    if p.returncode != 0:
+        raise RuntimeError(f"kllm-mount --status {mnt} failed ({p.returncode}): "
+                           f"{p.stderr.strip()}; mountinfo: "
+                           + " ".join(l.split()[4] for l in open("/proc/self/mountinfo")
+                                      if mnt in l))
     return json.loads(p.stdout)
 
 
