@@ -193,23 +193,6 @@ impl View {
         self.read_unverified(ino, off, out)
     }
 
-    /// Fill `out` with the whole file, hashing it at the same time when it still awaits its
-    /// check: the bytes are handed on only once the verdict is in.
-    pub fn read_whole(&self, ino: Ino, out: &mut [u8]) -> Result<(), ReadError> {
-        let node = self.node(ino).ok_or(ReadError::NotFound)?;
-        match &node.integrity {
-            Some(i) if i.verdict().is_none() => {
-                let (verdict, read) = rayon::join(
-                    || self.verdict(ino, node, i),
-                    || self.read_unverified(ino, 0, out),
-                );
-                verdict.clone().map_err(ReadError::Unverified)?;
-                read.map(drop)
-            }
-            _ => self.read_into(ino, 0, out).map(drop),
-        }
-    }
-
     /// Whether the file may be served: always without a manifest, else once its bytes
     /// hashed to what the manifest lists. Concurrent first callers wait for one hash.
     pub fn verify(&self, ino: Ino) -> Result<(), ReadError> {
