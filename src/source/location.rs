@@ -4,10 +4,8 @@
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
-use super::http::HttpSource;
 use super::local::LocalDir;
 use super::remote::RemoteSettings;
-use super::s3::S3Source;
 use super::Source;
 use crate::{Error, Result};
 
@@ -72,8 +70,8 @@ impl Location {
     pub fn open(&self, settings: &RemoteSettings) -> Result<Arc<dyn Source>> {
         Ok(match self {
             Location::Local(dir) => Arc::new(LocalDir::new(dir)?),
-            Location::S3(url) => Arc::new(S3Source::open(url, settings)?),
-            Location::Http(url) => Arc::new(HttpSource::open(url, settings)?),
+            Location::S3(url) => Arc::new(super::s3::open(url, settings)?),
+            Location::Http(url) => Arc::new(super::http::open(url, settings)?),
         })
     }
 }

@@ -26,15 +26,17 @@ use std::time::{Duration, Instant, SystemTime};
 
 use bytes::Bytes;
 use futures::future::{BoxFuture, FutureExt, Shared};
+use futures::StreamExt;
 use object_store::path::Path as StorePath;
 use object_store::{
-    BackoffConfig, ClientOptions, GetOptions, GetRange, ObjectMeta, ObjectStore, RetryConfig,
+    BackoffConfig, ClientOptions, GetOptions, GetRange, ObjectMeta, ObjectStore, ObjectStoreExt,
+    RetryConfig,
 };
 use parking_lot::Mutex;
 
 use super::node_cache::NodeCache;
 use super::{Attr, Kind};
-use super::{Entry, Object};
+use super::{Entry, Object, Source};
 use crate::{Error, ReadError, Result};
 
 /// How remote reads are cut and bounded.
@@ -104,10 +106,78 @@ pub(crate) fn retry_config(tuning: &Tuning) -> RetryConfig {
     }
 }
 
+/// An `object_store` error as one line (some carry a response body over several).
+pub(crate) fn one_line(e: &dyn std::fmt::Display) -> String {
+    e.to_string()
+        .split_whitespace()
+        .collect::<Vec<_>>()
+        .join(" ")
+}
+
+/// A remote source as mounted: its objects, each fixed to the version seen at mount, by
+/// their paths relative to the source's URL. [`super::s3`] lists them, [`super::http`] takes
+/// them from the manifest; serving them is the same for both.
+pub struct RemoteSource {
+    remote: Arc<Remote>,
+    /// The URL, as given (never with credentials).
+    shown: String,
+    objects: BTreeMap<String, ObjectMeta>,
+    /// Why a path that is not among the objects cannot be opened.
+    unknown: &'static str,
+}
+
+impl RemoteSource {
+    pub(crate) fn new(
+        remote: Arc<Remote>,
+        shown: String,
+        objects: BTreeMap<String, ObjectMeta>,
+        unknown: &'static str,
+    ) -> RemoteSource {
+        RemoteSource {
+            remote,
+            shown,
+            objects,
+            unknown,
+        }
+    }
+}
+
+impl Source for RemoteSource {
+    fn describe(&self) -> String {
+        self.shown.clone()
+    }
+
+    fn at(&self, rel: &Path) -> PathBuf {
+        if rel.as_os_str().is_empty() {
+            PathBuf::from(&self.shown)
+        } else {
+            PathBuf::from(format!("{}/{}", self.shown, rel.display()))
+        }
+    }
+
+    fn list(&self) -> Result<Vec<Entry>> {
+        Ok(listing(self.objects.iter().map(|(rel, m)| {
+            (rel.as_str(), m.size, m.last_modified.into())
+        })))
+    }
+
+    fn open(&self, rel: &Path) -> Result<Arc<dyn Object>> {
+        let key = rel.to_string_lossy();
+        let meta = self
+            .objects
+            .get(key.as_ref())
+            .ok_or_else(|| Error::at(&self.at(rel), self.unknown))?;
+        Ok(Arc::new(
+            self.remote
+                .object(meta.clone(), self.at(rel).display().to_string()),
+        ))
+    }
+}
+
 /// The entries of a source whose objects are named by `/`-separated keys: the root, then
 /// each folder's entries sorted by name, depth first, folders implied by the keys. Keys that
 /// cannot be a path in the view (empty parts, `.`, `..`, a folder marker) are left out.
-pub(crate) fn listing<'a>(objects: impl Iterator<Item = (&'a str, u64, SystemTime)>) -> Vec<Entry> {
+fn listing<'a>(objects: impl Iterator<Item = (&'a str, u64, SystemTime)>) -> Vec<Entry> {
     #[derive(Default)]
     struct Dir {
         dirs: BTreeMap<String, Dir>,
@@ -238,6 +308,26 @@ struct Parts {
 /// Makes the store's client: again after a fork, since a client's connections belong to the
 /// runtime that made them.
 pub(crate) type Connect = Box<dyn Fn() -> Result<Arc<dyn ObjectStore>> + Send + Sync>;
+
+/// A [`Connect`] that makes the client with `build`; its failure names the source `shown`
+/// and says `bad` (the settings it came from) with the reason.
+pub(crate) fn connect_with<S: ObjectStore>(
+    shown: &str,
+    bad: &'static str,
+    build: impl Fn() -> object_store::Result<S> + Send + Sync + 'static,
+) -> Connect {
+    let shown = shown.to_string();
+    Box::new(move || {
+        let store = build()
+            .map_err(|e| Error::at(Path::new(&shown), format!("{bad} ({})", one_line(&e))))?;
+        Ok(Arc::new(store) as Arc<dyn ObjectStore>)
+    })
+}
+
+/// What [`Remote::head_all`] gives: each key with its HEAD's answer, or the error that ended
+/// them all (no answer in time).
+pub(crate) type Heads<K> =
+    std::result::Result<Vec<(K, object_store::Result<ObjectMeta>)>, object_store::Error>;
 
 /// A runtime and the client made on it, in the process that made them.
 struct Live {
@@ -381,6 +471,26 @@ impl Remote {
                 }),
             }
         }))
+    }
+
+    /// A HEAD of each location, [`Tuning::in_flight`] at once, each answer beside its `K`
+    /// (mount-time: the sizes and versions later reads must match).
+    pub(crate) fn head_all<K>(&self, what: &str, items: Vec<(K, StorePath)>) -> Result<Heads<K>> {
+        let in_flight = self.tuning.in_flight.max(1);
+        self.call(what, |store| async move {
+            Ok(
+                futures::stream::iter(items.into_iter().map(|(k, location)| {
+                    let store = store.clone();
+                    async move {
+                        let r = store.head(&location).await;
+                        (k, r)
+                    }
+                }))
+                .buffer_unordered(in_flight)
+                .collect::<Vec<_>>()
+                .await,
+            )
+        })
     }
 
     /// One object, fixed to the version `meta` describes.
