@@ -8,9 +8,8 @@ mod common;
 use std::fs::{self, File, OpenOptions};
 use std::os::unix::fs::FileExt;
 use std::path::Path;
-use std::process::{Command, Stdio};
 use std::sync::Arc;
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use common::*;
 use kllm_mount::lock::Version;
@@ -35,45 +34,9 @@ fn evict(path: &Path) {
 }
 
 fn mount(s: &Sample, m: &Mnt, log: &Path, extra: &[&str]) -> i32 {
-    let mut c = m.cmd(&s.sealed());
-    c.arg("--key")
-        .arg(s.key_file())
-        .arg("--log-file")
-        .arg(log)
-        .args(["--mode", "passthrough"])
-        .args(extra)
-        .env("RUST_LOG", "kllm_mount=debug");
-    m.mount(c)
-}
-
-fn log_lines(log: &Path, needle: &str) -> Vec<String> {
-    fs::read_to_string(log)
-        .unwrap_or_default()
-        .lines()
-        .filter(|l| l.contains(needle))
-        .map(str::to_string)
-        .collect()
-}
-
-fn decodes_of(log: &Path, rel: &str) -> usize {
-    log_lines(log, &format!("{rel}: decoded ")).len()
-}
-
-/// Retry `f` for up to `secs`.
-fn wait_for(secs: u64, what: &str, mut f: impl FnMut() -> bool) {
-    let deadline = Instant::now() + Duration::from_secs(secs);
-    while !f() {
-        assert!(Instant::now() < deadline, "{what}: not within {secs} s");
-        std::thread::sleep(Duration::from_millis(20));
-    }
-}
-
-/// The daemon's counter `name` (docs/STATUS.md).
-fn counter(m: &Mnt, name: &str) -> u64 {
-    let v = kllm_mount::status::query(&m.path("")).expect("status");
-    v[name]
-        .as_u64()
-        .unwrap_or_else(|| panic!("no counter {name} in {v}"))
+    let mut args = vec!["--mode", "passthrough"];
+    args.extend(extra);
+    mount_logged(s, m, log, &args)
 }
 
 fn read_all(f: &File, len: usize) -> Vec<u8> {
@@ -159,19 +122,10 @@ fn tensor_parallel_opens_during_the_fill_decode_once() {
     let want = m.scratch().join("want");
     fs::write(&want, &s.view()[BIG]).unwrap();
     evict(&s.sealed().join(BIG));
-    let ranks: Vec<_> = (0..4)
-        .map(|_| {
-            Command::new("cmp")
-                .arg(m.path(BIG))
-                .arg(&want)
-                .stdout(Stdio::null())
-                .spawn()
-                .unwrap()
-        })
-        .collect();
-    for mut r in ranks {
-        assert!(r.wait().unwrap().success(), "a rank saw other bytes");
-    }
+    assert!(
+        cmp_side_by_side(4, &m.path(BIG), &want),
+        "a rank saw other bytes"
+    );
     wait_for(60, "the copy completes", || decodes_of(&log, BIG) == 1);
     std::thread::sleep(Duration::from_millis(300));
     assert_eq!(decodes_of(&log, BIG), 1, "decoded more than once");

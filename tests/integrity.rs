@@ -8,7 +8,6 @@ use std::fs::{self, File, OpenOptions};
 use std::os::unix::fs::FileExt;
 use std::path::Path;
 use std::process::Output;
-use std::time::{Duration, Instant};
 
 use common::*;
 use kllm_mount::manifest;
@@ -87,24 +86,6 @@ fn flip(sealed: &Path, rel: &str, at: i64) {
     f.write_all_at(&b, at).unwrap();
 }
 
-fn status(m: &Mnt) -> Value {
-    let out = run({
-        let mut c = std::process::Command::new(env!("CARGO_BIN_EXE_kllm-mount"));
-        c.arg("--status").arg(&m.mp);
-        c
-    });
-    assert!(out.status.success(), "--status: {}", stderr_of(&out));
-    serde_json::from_slice(&out.stdout).unwrap()
-}
-
-fn wait_for(mut f: impl FnMut() -> bool) {
-    let deadline = Instant::now() + Duration::from_secs(5);
-    while !f() {
-        assert!(Instant::now() < deadline, "condition not reached in 5 s");
-        std::thread::sleep(Duration::from_millis(50));
-    }
-}
-
 fn assert_reads_fail(m: &Mnt, rel: &str, label: &str) {
     let e = File::open(m.path(rel)).and_then(|f| {
         let mut b = vec![0u8; 64];
@@ -161,7 +142,7 @@ fn the_real_kllm_manifest_guards_its_model() {
         );
     }
     assert!(fusermount_u(&m.mp, false));
-    wait_for(|| !is_mounted(&m.mp));
+    wait_for(5, "unmounted", || !is_mounted(&m.mp));
     // One bit of a weight changed after sealing: the mount is refused and says which.
     flip(
         &sealed,
@@ -356,7 +337,7 @@ fn status_counts_what_was_read() {
     let at_mount = st0["verified_files"].as_u64().unwrap();
     assert_eq!(st["verified_files"], at_mount + 1, "{st}");
     drop(f);
-    wait_for(|| status(&m)["files_open"] == 0);
+    wait_for(5, "no file open", || status(&m)["files_open"] == 0);
 }
 
 #[test]

@@ -8,10 +8,10 @@ use std::fs::{self, File};
 use std::os::unix::fs::{FileExt, PermissionsExt};
 use std::os::unix::process::CommandExt;
 use std::path::Path;
-use std::process::{Command, Output, Stdio};
+use std::process::{Command, Output};
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::Arc;
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use common::*;
 
@@ -25,31 +25,6 @@ fn fixture() -> Fixture {
     Fixture::new(KEY, 512, 4)
 }
 
-/// Mount `f` in the background with a debug log at `log`; the daemon's pid.
-fn mount_logged(f: &Fixture, m: &Mnt, log: &Path, extra: &[&str]) -> i32 {
-    let mut c = m.cmd(&f.sealed());
-    c.arg("--key")
-        .arg(f.key_file())
-        .arg("--log-file")
-        .arg(log)
-        .args(extra)
-        .env("RUST_LOG", "kllm_mount=debug");
-    m.mount(c)
-}
-
-fn log_lines(log: &Path, needle: &str) -> Vec<String> {
-    fs::read_to_string(log)
-        .unwrap_or_default()
-        .lines()
-        .filter(|l| l.contains(needle))
-        .map(str::to_string)
-        .collect()
-}
-
-fn decodes_of(log: &Path, rel: &str) -> usize {
-    log_lines(log, &format!("{rel}: decoded ")).len()
-}
-
 fn mode_line(log: &Path) -> String {
     log_lines(log, "serving ").join("\n")
 }
@@ -60,7 +35,7 @@ fn one_decode_for_many_readers_shared_across_processes() {
     let m = Mnt::new();
     let log = m.scratch().join("log");
     mount_logged(
-        &s,
+        &s.s,
         &m,
         &log,
         &["--mode", "passthrough", "--keep-decoded", "0"],
@@ -75,21 +50,12 @@ fn one_decode_for_many_readers_shared_across_processes() {
 
     // One descriptor held open while four processes read the shard whole: one decode.
     let held = File::open(m.path(BIG)).unwrap();
-    let readers: Vec<_> = (0..4)
-        .map(|_| {
-            Command::new("cmp")
-                .arg(m.path(BIG))
-                .arg(&want)
-                .stdout(Stdio::null())
-                .spawn()
-                .unwrap()
-        })
-        .collect();
-    for mut r in readers {
-        assert!(r.wait().unwrap().success(), "a reader saw other bytes");
-    }
+    assert!(
+        cmp_side_by_side(4, &m.path(BIG), &want),
+        "a reader saw other bytes"
+    );
     // Readers served while the copy filled may finish before its last step is logged.
-    wait_for(|| decodes_of(&log, BIG) >= 1);
+    wait_for(5, "the copy is logged", || decodes_of(&log, BIG) >= 1);
     assert_eq!(decodes_of(&log, BIG), 1, "decoded more than once");
 
     // mmap through passthrough, while the others are gone.
@@ -101,7 +67,7 @@ fn one_decode_for_many_readers_shared_across_processes() {
 
     // After the last close (and no grace period to keep it), a reopen decodes again: the
     // first copy was let go.
-    wait_for(|| {
+    wait_for(5, "a decode after the reopen", || {
         fs::read(m.path(BIG)).unwrap();
         decodes_of(&log, BIG) == 2
     });
@@ -114,7 +80,7 @@ fn closed_shards_are_kept_for_the_grace_period() {
     let m = Mnt::new();
     let log = m.scratch().join("log");
     mount_logged(
-        &s,
+        &s.s,
         &m,
         &log,
         &[
@@ -129,22 +95,15 @@ fn closed_shards_are_kept_for_the_grace_period() {
     for _ in 0..3 {
         assert!(fs::read(m.path(BIG)).unwrap() == s.bytes(BIG));
     }
-    wait_for(|| decodes_of(&log, BIG) >= 1);
+    wait_for(5, "the copy is logged", || decodes_of(&log, BIG) >= 1);
     assert_eq!(decodes_of(&log, BIG), 1, "a kept shard was decoded again");
     // After the grace period the copy is let go, and the next open decodes again.
     std::thread::sleep(Duration::from_secs(5));
     assert!(fs::read(m.path(BIG)).unwrap() == s.bytes(BIG));
     // The reader may finish before the copy's last step is logged.
-    wait_for(|| decodes_of(&log, BIG) == 2);
-}
-
-/// Retry `f` for up to 5 s: a release reaches the daemon shortly after the close.
-fn wait_for(mut f: impl FnMut() -> bool) {
-    let deadline = Instant::now() + Duration::from_secs(5);
-    while !f() {
-        assert!(Instant::now() < deadline, "condition not reached in 5 s");
-        std::thread::sleep(Duration::from_millis(50));
-    }
+    wait_for(5, "a decode after the grace period", || {
+        decodes_of(&log, BIG) == 2
+    });
 }
 
 #[test]
@@ -152,7 +111,7 @@ fn forced_fuse_mode_serves_everything_through_the_daemon() {
     let s = fixture();
     let m = Mnt::new();
     let log = m.scratch().join("log");
-    mount_logged(&s, &m, &log, &["--mode", "fuse"]);
+    mount_logged(&s.s, &m, &log, &["--mode", "fuse"]);
     assert!(
         mode_line(&log).contains("serving through FUSE: --mode fuse"),
         "{}",
@@ -168,13 +127,15 @@ fn over_budget_opens_fall_back_to_fuse() {
     let m = Mnt::new();
     let log = m.scratch().join("log");
     mount_logged(
-        &s,
+        &s.s,
         &m,
         &log,
         &["--mode", "passthrough", "--passthrough-memory", "1M"],
     );
     s.assert_view(&m, "--passthrough-memory 1M");
-    wait_for(|| decodes_of(&log, SMALL) >= 1);
+    wait_for(5, "the small shard's copy is logged", || {
+        decodes_of(&log, SMALL) >= 1
+    });
     assert_eq!(decodes_of(&log, SMALL), 1, "the small shard fits");
     assert_eq!(decodes_of(&log, BIG), 0);
     // While the big shard is open through FUSE, more opens of it stay there and read right.
@@ -275,7 +236,7 @@ fn sigterm_with_files_open_and_mapped_leaves_no_mount_and_no_hung_reader() {
     let s = fixture();
     let m = Mnt::new();
     let log = m.scratch().join("log");
-    let pid = mount_logged(&s, &m, &log, &["--mode", "passthrough"]);
+    let pid = mount_logged(&s.s, &m, &log, &["--mode", "passthrough"]);
     let file = File::open(m.path(BIG)).unwrap();
     // SAFETY: the view is read-only and immutable while mounted.
     let map = unsafe { memmap2::Mmap::map(&file) }.unwrap();
@@ -304,7 +265,9 @@ fn sigterm_with_files_open_and_mapped_leaves_no_mount_and_no_hung_reader() {
             Ok(())
         })
     };
-    wait_for(|| reads.load(Ordering::Relaxed) > 10);
+    wait_for(5, "reads before SIGTERM", || {
+        reads.load(Ordering::Relaxed) > 10
+    });
     kill(pid, libc::SIGTERM);
     assert!(
         wait_gone(pid, Duration::from_secs(10)).is_some(),
@@ -314,7 +277,9 @@ fn sigterm_with_files_open_and_mapped_leaves_no_mount_and_no_hung_reader() {
     // The open descriptor and the mapping hold the decoded copy: they keep reading the
     // right bytes, and nothing hangs.
     let before = reads.load(Ordering::Relaxed);
-    wait_for(|| reads.load(Ordering::Relaxed) > before + 10 || reader.is_finished());
+    wait_for(5, "reads after SIGTERM", || {
+        reads.load(Ordering::Relaxed) > before + 10 || reader.is_finished()
+    });
     assert!(map[..] == want[..], "the mapping changed after SIGTERM");
     stop.store(true, Ordering::Relaxed);
     reader.join().unwrap().unwrap();
@@ -373,7 +338,7 @@ fn decoded_bytes_live_only_in_private_memory() {
     let m = Mnt::new();
     let log = m.scratch().join("log");
     let pid = mount_logged(
-        &s,
+        &s.s,
         &m,
         &log,
         &["--mode", "passthrough", "--cache-size", "64M"],
