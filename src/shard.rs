@@ -21,9 +21,9 @@ pub const MAX_HEADER: u64 = 100_000_000;
 /// Reads sealed bytes at an offset (a `pread` of the shard), from any thread.
 pub type RawReader<'a> = dyn Fn(u64, &mut [u8]) -> io::Result<()> + Sync + 'a;
 
-/// Reads at least twice this long are decoded on several cores.
 /// Bytes read and decoded in one step: a fraction of a core's L2 cache.
 const DECODE_CHUNK: usize = 64 << 10;
+/// Reads at least twice this long are decoded on several cores.
 const PARALLEL_MIN: usize = 128 << 10;
 
 /// One locked tensor: where its bytes are in the file, and how to decode them.
@@ -162,31 +162,7 @@ impl Shard {
         out: &mut [u8],
         raw: &RawReader<'_>,
     ) -> std::result::Result<(), ReadError> {
-        let end = off + out.len() as u64;
-        debug_assert!(end <= self.file_len);
-        let header = ranges::overlap(off..end, 0..self.data_start);
-        if !header.is_empty() {
-            out[..(header.end - off) as usize]
-                .copy_from_slice(&self.view_header[header.start as usize..header.end as usize]);
-        }
-        // The header's end, or `off` when the read starts past it.
-        let pos = header.end;
-        if pos >= end {
-            return Ok(());
-        }
-        let data = &mut out[(pos - off) as usize..];
-        let threads = rayon::current_num_threads();
-        if data.len() >= 2 * PARALLEL_MIN && threads > 1 {
-            // One reader keeps about one request in flight: spread its decoding over the
-            // cores. Pieces may cut values; each decodes its own bytes of a cut value.
-            use rayon::prelude::*;
-            let piece = data.len().div_ceil(threads).max(PARALLEL_MIN);
-            data.par_chunks_mut(piece)
-                .enumerate()
-                .try_for_each(|(i, part)| self.read_data(pos + (i * piece) as u64, part, raw))
-        } else {
-            self.read_data(pos, data, raw)
-        }
+        self.to_view(off, out, |at, data| self.read_data(at, data, raw))
     }
 
     /// Turn `buf`, which holds the sealed bytes at `pos`, into view bytes in place: the
@@ -198,28 +174,42 @@ impl Shard {
         buf: &mut [u8],
         raw: &RawReader<'_>,
     ) -> std::result::Result<(), ReadError> {
-        let end = pos + buf.len() as u64;
+        self.to_view(pos, buf, |at, data| self.decode_span(at, data, raw))
+    }
+
+    /// The view bytes at `off` in `out`: the part in the header copied from the unlocked
+    /// header, the data bytes past it given to `data(at, bytes)`, on all cores when large.
+    fn to_view(
+        &self,
+        off: u64,
+        out: &mut [u8],
+        data: impl Fn(u64, &mut [u8]) -> std::result::Result<(), ReadError> + Sync,
+    ) -> std::result::Result<(), ReadError> {
+        let end = off + out.len() as u64;
         debug_assert!(end <= self.file_len);
-        let mut at = pos;
-        if at < self.data_start {
-            let upto = end.min(self.data_start);
-            buf[..(upto - pos) as usize]
-                .copy_from_slice(&self.view_header[pos as usize..upto as usize]);
-            at = upto;
+        let header = ranges::overlap(off..end, 0..self.data_start);
+        if !header.is_empty() {
+            out[..(header.end - off) as usize]
+                .copy_from_slice(&self.view_header[header.start as usize..header.end as usize]);
         }
-        if at >= end {
+        // The header's end, or `off` when the request starts past it.
+        let pos = header.end;
+        if pos >= end {
             return Ok(());
         }
-        let data = &mut buf[(at - pos) as usize..];
+        let bytes = &mut out[(pos - off) as usize..];
         let threads = rayon::current_num_threads();
-        if data.len() >= 2 * PARALLEL_MIN && threads > 1 {
+        if bytes.len() >= 2 * PARALLEL_MIN && threads > 1 {
+            // One reader keeps about one request in flight: spread its decoding over the
+            // cores. Pieces may cut values; each decodes its own bytes of a cut value.
             use rayon::prelude::*;
-            let piece = data.len().div_ceil(threads).max(PARALLEL_MIN);
-            data.par_chunks_mut(piece)
+            let piece = bytes.len().div_ceil(threads).max(PARALLEL_MIN);
+            bytes
+                .par_chunks_mut(piece)
                 .enumerate()
-                .try_for_each(|(i, part)| self.decode_span(at + (i * piece) as u64, part, raw))
+                .try_for_each(|(i, part)| data(pos + (i * piece) as u64, part))
         } else {
-            self.decode_span(at, data, raw)
+            data(pos, bytes)
         }
     }
 
