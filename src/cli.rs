@@ -4,6 +4,7 @@
 
 use std::io::Write;
 use std::path::{Path, PathBuf};
+use std::sync::Arc;
 
 use clap::{CommandFactory, Parser};
 
@@ -11,6 +12,7 @@ use crate::budget::{self, Budgets};
 use crate::daemon::{self, Served, Settings};
 use crate::key;
 use crate::limits::Limits;
+use crate::metrics::Stats;
 use crate::mounttab::{expand_options, Ours};
 use crate::passthrough::{Copies, Requested, ServeMode};
 use crate::sealed::{self, Options, Verify};
@@ -230,8 +232,8 @@ impl Args {
         }
     }
 
-    /// How a remote source is reached and bounded.
-    pub fn remote_settings(&self) -> crate::source::remote::RemoteSettings {
+    /// How a remote source is reached and bounded; it counts into `stats`.
+    pub fn remote_settings(&self, stats: Arc<Stats>) -> crate::source::remote::RemoteSettings {
         use crate::source::remote::{RemoteSettings, Tuning};
         RemoteSettings {
             endpoint_url: self.endpoint_url.clone(),
@@ -244,6 +246,7 @@ impl Args {
                 timeout: std::time::Duration::from_secs(self.source_timeout),
                 ..Tuning::default()
             },
+            stats,
         }
     }
 }
@@ -274,7 +277,7 @@ pub fn prepare(args: &Args, budgets: &Budgets) -> Result<Served> {
     let location = Location::parse(args.sealed())?;
     let view = if location.is_remote() {
         // The source first: a key shipped beside the sealed files comes from it.
-        let source = location.open(&args.remote_settings())?;
+        let source = location.open(&args.remote_settings(opts.stats.clone()))?;
         let shipped = || shipped_key(&*source);
         let (model_key, key_source) = key::resolve_with_shipped(
             args.key.as_deref(),

@@ -110,6 +110,19 @@ counters! {
     failed_files: Counter, "failed_files_total", "Files that failed the manifest check.";
     /// Bytes hashed to check files against the manifest.
     verified_bytes: Counter, "verified_bytes_total", "Bytes hashed for the manifest check.";
+    /// Ranged GETs sent to a remote source (S3, HTTP), retries included.
+    remote_gets: Counter, "remote_gets_total", "Ranged GETs sent to the remote source, retries included.";
+    /// Of those, the ones that asked again for a part (the HTTP client's retries and ours).
+    remote_get_retries: Counter, "remote_get_retries_total", "Ranged GETs that asked again for a part.";
+    /// Parts that could not be had: their retries failed or ran out of time, or the object
+    /// changed.
+    remote_get_failures: Counter, "remote_get_failures_total", "Parts of remote objects not fetched, after retries.";
+    /// Bytes of the bodies of ranged GETs, as received.
+    remote_bytes_fetched: Counter, "remote_fetched_bytes_total", "Bytes received from the remote source.";
+    /// Parts found whole and intact in the node cache (`--cache-dir`).
+    node_cache_hits: Counter, "node_cache_hits_total", "Parts found in the node cache.";
+    /// Parts looked for in the node cache and fetched from the source instead.
+    node_cache_misses: Counter, "node_cache_misses_total", "Parts not in the node cache.";
 }
 
 impl Stats {

@@ -3,6 +3,7 @@
 use std::collections::{BTreeMap, HashMap};
 use std::ffi::OsString;
 use std::path::{Path, PathBuf};
+use std::sync::Arc;
 
 use serde_json::Value;
 use sha2::{Digest, Sha256};
@@ -207,14 +208,13 @@ impl Builder {
         ino
     }
 
-    fn finish(mut self, cache: BlockCache) -> View {
+    fn finish(mut self, cache: BlockCache, stats: Arc<Stats>) -> View {
         for (i, kids) in self.children.into_iter().enumerate() {
             if let Content::Dir(entries) = &mut self.nodes[i].content {
                 *entries = kids.into_iter().collect();
             }
         }
         // Verdicts given at mount count like the later ones.
-        let stats = Stats::new();
         for node in &self.nodes {
             match node.integrity.as_ref().and_then(Integrity::verdict) {
                 Some(Ok(())) => {
@@ -253,6 +253,9 @@ pub struct Options {
     pub manifest: Option<PathBuf>,
     /// Refuse to mount unless the manifest's SHA-256 is this (hex).
     pub manifest_sha256: Option<String>,
+    /// The counters the view bumps, from the mount's start: a remote source opened with the
+    /// same ones (`RemoteSettings::stats`) counts its fetches into them.
+    pub stats: Arc<Stats>,
 }
 
 impl Options {
@@ -264,6 +267,7 @@ impl Options {
             verify: Verify::Open,
             manifest: None,
             manifest_sha256: None,
+            stats: Stats::new(),
         }
     }
 }
@@ -543,7 +547,10 @@ fn build(
             }
         }
     }
-    Ok(b.finish(BlockCache::new(opts.cache_bytes, opts.block_size)))
+    Ok(b.finish(
+        BlockCache::new(opts.cache_bytes, opts.block_size),
+        opts.stats.clone(),
+    ))
 }
 
 fn add_secret_file(

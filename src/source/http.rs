@@ -14,7 +14,8 @@ use object_store::path::Path as StorePath;
 use object_store::ObjectStoreExt;
 
 use super::remote::{
-    client_options, connect_with, one_line, retry_config, Remote, RemoteSettings, RemoteSource,
+    client_options, connect_with, counting_connector, one_line, retry_config, Remote,
+    RemoteSettings, RemoteSource,
 };
 use crate::manifest::Manifest;
 use crate::{Error, Result};
@@ -30,7 +31,8 @@ pub fn open(url: &url::Url, settings: &RemoteSettings) -> Result<RemoteSource> {
         // The store puts a `/` between its URL and each file's path.
         .with_url(&shown)
         .with_client_options(client_options(&settings.tuning, url.scheme() == "http"))
-        .with_retry(retry_config(&settings.tuning));
+        .with_retry(retry_config(&settings.tuning))
+        .with_http_connector(counting_connector(&settings.stats));
     let connect = connect_with(&shown, "bad URL", move || b.clone().build());
     let remote = Remote::new(connect, shown.clone(), settings)?;
     let at = |rel: &str| format!("{shown}/{rel}");

@@ -14,6 +14,10 @@
 //! Failures: `object_store` retries 5xx, throttling, timeouts and resets with backoff; a body
 //! shorter than asked is retried here; a part that cannot be had within [`Tuning::timeout`]
 //! fails its read with EIO. Nothing here ever returns bytes that are not the object's.
+//!
+//! Counted in the mount's [`Stats`] (given in [`RemoteSettings::stats`]): the ranged GETs sent
+//! and those of them that were retries (by the HTTP client itself, `counting_connector`),
+//! the parts given up, the bytes received, and the node cache's hits and misses.
 
 use std::collections::BTreeMap;
 use std::fmt;
@@ -27,6 +31,9 @@ use std::time::{Duration, Instant, SystemTime};
 use bytes::Bytes;
 use futures::future::{BoxFuture, FutureExt, Shared};
 use futures::StreamExt;
+use object_store::client::{
+    HttpClient, HttpConnector, HttpError, HttpRequest, HttpResponse, HttpService, ReqwestConnector,
+};
 use object_store::path::Path as StorePath;
 use object_store::{
     BackoffConfig, ClientOptions, GetOptions, GetRange, ObjectMeta, ObjectStore, ObjectStoreExt,
@@ -37,6 +44,7 @@ use parking_lot::Mutex;
 use super::node_cache::NodeCache;
 use super::{Attr, Kind};
 use super::{Entry, Object, Source};
+use crate::metrics::Stats;
 use crate::{Error, ReadError, Result};
 
 /// How remote reads are cut and bounded.
@@ -80,6 +88,9 @@ pub struct RemoteSettings {
     /// `--manifest`: for an HTTP source, the list of its files.
     pub manifest: Option<std::path::PathBuf>,
     pub tuning: Tuning,
+    /// The mount's counters, which the source's GETs and node-cache lookups bump
+    /// (`remote_*`, `node_cache_*`: docs/STATUS.md).
+    pub stats: Arc<Stats>,
 }
 
 /// The HTTP client's settings: each request bounded in time; plain `http://` only when the
@@ -171,6 +182,65 @@ impl Source for RemoteSource {
             self.remote
                 .object(meta.clone(), self.at(rel).display().to_string()),
         ))
+    }
+}
+
+/// The HTTP client of [`object_store`]'s own (reqwest), counting the ranged GETs it sends:
+/// every one, the store's retries included, so `remote_gets` and `remote_get_retries` say what
+/// the source was asked.
+pub(crate) fn counting_connector(stats: &Arc<Stats>) -> impl HttpConnector {
+    CountingConnector(stats.clone())
+}
+
+#[derive(Debug)]
+struct CountingConnector(Arc<Stats>);
+
+impl HttpConnector for CountingConnector {
+    fn connect(&self, options: &ClientOptions) -> object_store::Result<HttpClient> {
+        Ok(HttpClient::new(CountingClient {
+            inner: ReqwestConnector::default().connect(options)?,
+            stats: self.0.clone(),
+        }))
+    }
+}
+
+#[derive(Debug)]
+struct CountingClient {
+    inner: HttpClient,
+    stats: Arc<Stats>,
+}
+
+tokio::task_local! {
+    /// The ranged GETs sent so far for the part a fetch task is getting: past the first,
+    /// each is a retry (the store's, on 5xx, throttling, timeouts and resets, or ours).
+    static PART_GETS: std::cell::Cell<u64>;
+}
+
+// `object_store` declares `HttpService` with `#[async_trait]`; this is that signature.
+impl HttpService for CountingClient {
+    fn call<'s, 'f>(
+        &'s self,
+        req: HttpRequest,
+    ) -> std::pin::Pin<
+        Box<
+            dyn std::future::Future<Output = std::result::Result<HttpResponse, HttpError>>
+                + Send
+                + 'f,
+        >,
+    >
+    where
+        's: 'f,
+        Self: 'f,
+    {
+        if req.method() == "GET" && req.headers().contains_key("range") {
+            Stats::add(&self.stats.remote_gets, 1);
+            // Outside a part's fetch (none such today) a GET is no one's retry.
+            let earlier = PART_GETS.try_with(|n| n.replace(n.get() + 1)).unwrap_or(0);
+            if earlier > 0 {
+                Stats::add(&self.stats.remote_get_retries, 1);
+            }
+        }
+        Box::pin(self.inner.execute(req))
     }
 }
 
@@ -379,6 +449,7 @@ pub(crate) struct Remote {
     parts: Mutex<Parts>,
     next_id: AtomicU64,
     node_cache: Option<Arc<NodeCache>>,
+    stats: Arc<Stats>,
 }
 
 impl Remote {
@@ -411,6 +482,7 @@ impl Remote {
             tuning,
             name,
             node_cache,
+            stats: settings.stats.clone(),
         });
         remote.live()?;
         REMOTES.lock().push(Arc::downgrade(&remote));
@@ -577,6 +649,7 @@ impl Remote {
             modified: obj.meta.last_modified.into(),
             range,
             timeout: self.tuning.timeout,
+            stats: self.stats.clone(),
             cache: self
                 .node_cache
                 .clone()
@@ -605,6 +678,7 @@ struct FetchJob {
     modified: SystemTime,
     range: Range<u64>,
     timeout: Duration,
+    stats: Arc<Stats>,
     cache: Option<(Arc<NodeCache>, String, u64)>,
 }
 
@@ -618,10 +692,18 @@ impl FetchJob {
                 .ok()
                 .flatten();
             if let Some(bytes) = hit {
+                Stats::add(&self.stats.node_cache_hits, 1);
                 return Ok(bytes);
             }
+            Stats::add(&self.stats.node_cache_misses, 1);
         }
-        let bytes = self.get_checked().await?;
+        let got = PART_GETS
+            .scope(std::cell::Cell::new(0), self.get_checked())
+            .await;
+        if got.is_err() {
+            Stats::add(&self.stats.remote_get_failures, 1);
+        }
+        let bytes = got?;
         if let Some((cache, key, idx)) = self.cache {
             let b = bytes.clone();
             // Kept before the part is handed out, so a daemon that ends soon after still
@@ -713,9 +795,12 @@ impl FetchJob {
                 self.location, self.range.start, self.range.end, r.range.start, r.range.end
             )));
         }
-        r.bytes()
+        let bytes = r
+            .bytes()
             .await
-            .map_err(|e| Fail::io(format!("{}: {e}", self.location)))
+            .map_err(|e| Fail::io(format!("{}: {e}", self.location)))?;
+        Stats::add(&self.stats.remote_bytes_fetched, bytes.len() as u64);
+        Ok(bytes)
     }
 }
 
@@ -919,12 +1004,28 @@ mod tests {
         }
     }
 
+    /// A source over `mem`.
+    fn remote_over(mem: &Arc<InMemory>, settings: &RemoteSettings) -> Arc<Remote> {
+        let store = mem.clone();
+        let connect: Connect = Box::new(move || Ok(store.clone() as Arc<dyn ObjectStore>));
+        Remote::new(connect, "mem://".into(), settings).unwrap()
+    }
+
+    /// Another version of `obj` in `mem`, `bytes` long.
+    fn replace(remote: &Remote, mem: &Arc<InMemory>, bytes: Vec<u8>) {
+        remote
+            .call("replace", |_| {
+                let mem = mem.clone();
+                async move { mem.put(&StorePath::from("obj"), bytes.into()).await }
+            })
+            .unwrap()
+            .unwrap();
+    }
+
     /// A source over an in-memory store holding `bytes` at `obj`, and that object.
     fn one_object(bytes: &[u8], part: u64) -> (Arc<InMemory>, Arc<Remote>, RemoteObject) {
         let mem = Arc::new(InMemory::new());
-        let store = mem.clone();
-        let connect: Connect = Box::new(move || Ok(store.clone() as Arc<dyn ObjectStore>));
-        let remote = Remote::new(connect, "mem://".into(), &settings(part)).unwrap();
+        let remote = remote_over(&mem, &settings(part));
         let path = StorePath::from("obj");
         let meta = remote
             .call("put", |s| {
@@ -993,16 +1094,7 @@ mod tests {
         let (mem, remote, obj) = one_object(&bytes, 1000);
         let mut buf = vec![0u8; 10];
         obj.read_exact_at(&mut buf, 0).unwrap();
-        remote
-            .call("replace", |_| {
-                let mem = mem.clone();
-                async move {
-                    mem.put(&StorePath::from("obj"), vec![2u8; 4000].into())
-                        .await
-                }
-            })
-            .unwrap()
-            .unwrap();
+        replace(&remote, &mem, vec![2u8; 4000]);
         assert!(matches!(
             obj.read_exact_at(&mut buf, 3000),
             Err(ReadError::Changed)
@@ -1025,6 +1117,74 @@ mod tests {
         assert!(remote.live.lock().is_none());
         obj.read_exact_at(&mut buf, 0).unwrap();
         assert_eq!(buf, bytes);
+    }
+
+    #[test]
+    fn fetched_bytes_node_cache_lookups_and_failures_are_counted() {
+        let bytes: Vec<u8> = (0..4500u32).map(|i| (i % 253) as u8).collect();
+        let (mem, _, _) = one_object(&bytes, 1000);
+        let cache = tempfile::tempdir().unwrap();
+        // A source over the same store with a node cache, its object as `one_object` put it.
+        let with_cache = |stats: &Arc<Stats>| {
+            let s = RemoteSettings {
+                cache_dir: Some(cache.path().into()),
+                cache_dir_size: 1 << 20,
+                stats: stats.clone(),
+                ..settings(1000)
+            };
+            let remote = remote_over(&mem, &s);
+            let meta = remote
+                .call(
+                    "head",
+                    |s| async move { s.head(&StorePath::from("obj")).await },
+                )
+                .unwrap()
+                .unwrap();
+            let obj = remote.object(meta, "mem://obj".into());
+            (remote, obj)
+        };
+        let count = |s: &Stats| {
+            let c = s.snapshot();
+            (
+                c.remote_bytes_fetched,
+                c.node_cache_hits,
+                c.node_cache_misses,
+                c.remote_get_failures,
+            )
+        };
+        let mut buf = vec![0u8; bytes.len()];
+
+        // An empty cache: five parts looked for, fetched (4500 bytes), kept.
+        let first = Stats::new();
+        let (_remote, obj) = with_cache(&first);
+        obj.read_exact_at(&mut buf, 0).unwrap();
+        assert_eq!(buf, bytes);
+        assert_eq!(count(&first), (4500, 0, 5, 0));
+        // Read again: the parts read through were let go, and the cache gives them back;
+        // nothing fetched.
+        obj.read_exact_at(&mut buf, 0).unwrap();
+        assert_eq!(buf, bytes);
+        assert_eq!(count(&first), (4500, 5, 5, 0));
+
+        // Another source on the node: every part from the cache.
+        let second = Stats::new();
+        let (remote, obj) = with_cache(&second);
+        obj.read_exact_at(&mut buf, 0).unwrap();
+        assert_eq!(buf, bytes);
+        assert_eq!(count(&second), (0, 5, 0, 0));
+
+        // The object replaced in the store: a part not in memory or in the cache is asked
+        // for, the store says the object changed, and that part is a failure (nothing fetched).
+        let third = Stats::new();
+        let (_remote3, obj) = with_cache(&third);
+        replace(&remote, &mem, vec![9u8; 4600]);
+        // The cache still holds the mounted version's parts, and would serve them: empty it.
+        std::fs::remove_dir_all(cache.path().join("kllm-parts-v1")).unwrap();
+        assert!(matches!(
+            obj.read_exact_at(&mut buf[..10], 0),
+            Err(ReadError::Changed)
+        ));
+        assert_eq!(count(&third), (0, 0, 1, 1));
     }
 
     #[test]

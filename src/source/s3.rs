@@ -17,7 +17,8 @@ use object_store::ObjectMeta;
 
 use super::profile;
 use super::remote::{
-    client_options, connect_with, one_line, retry_config, Remote, RemoteSettings, RemoteSource,
+    client_options, connect_with, counting_connector, one_line, retry_config, Remote,
+    RemoteSettings, RemoteSource,
 };
 use crate::{Error, Result};
 
@@ -75,7 +76,8 @@ pub fn open(url: &url::Url, settings: &RemoteSettings) -> Result<RemoteSource> {
         .is_some_and(|e| e.starts_with("http://"));
     let b = b
         .with_client_options(client_options(&settings.tuning, plain_http))
-        .with_retry(retry_config(&settings.tuning));
+        .with_retry(retry_config(&settings.tuning))
+        .with_http_connector(counting_connector(&settings.stats));
     let connect = connect_with(&shown, "bad S3 settings", move || b.clone().build());
     let name = match &endpoint {
         Some(e) => format!("{shown} at {e}"),
