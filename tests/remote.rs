@@ -3,7 +3,8 @@
 //! server's object URLs with a manifest, in both serving modes, byte-exact against its
 //! expected view; faults injected by a loopback proxy (5xx, resets, stalls, short bodies, an
 //! object replaced while mounted) giving exact bytes or EIO; mount-time errors as one line;
-//! credentials kept out of logs, `--status` and the mount table; the node cache.
+//! credentials kept out of logs, `--status` and the mount table; the node cache; the remote
+//! counters of `--status` (GETs, retries, failures, bytes fetched, node-cache lookups).
 //!
 //! Needs moto_server (tests/common/s3server.rs says where it is looked for): without it each
 //! test skips with a message, except under CI, where it fails.
@@ -366,6 +367,34 @@ fn faults_give_exact_bytes_or_eio() {
     }
     assert_eq!(w.proxy.fired(), 13, "every injected fault was met");
 
+    // `--status` counts what the source was asked: every part of the three shards at least
+    // once, and for each fault another GET of its part, or that part given up.
+    let st = status(&m);
+    let n = |k: &str| st[k].as_u64().unwrap_or_else(|| panic!("no {k} in {st}"));
+    let sealed: Vec<u64> = (1..=3)
+        .map(|i| fs::metadata(w.case.sealed().join(shard(i))).unwrap().len())
+        .collect();
+    let parts: u64 = sealed.iter().map(|len| len.div_ceil(4096)).sum();
+    assert!(
+        n("remote_bytes_fetched") >= sealed.iter().sum::<u64>(),
+        "bytes fetched {} < the shards' {sealed:?}",
+        n("remote_bytes_fetched")
+    );
+    assert!(
+        n("remote_gets") >= parts + n("remote_get_retries"),
+        "GETs: {st}"
+    );
+    assert!(
+        n("remote_get_retries") + n("remote_get_failures") >= 13,
+        "retries: {st}"
+    );
+    assert_eq!(
+        (n("node_cache_hits"), n("node_cache_misses")),
+        (0, 0),
+        "no node cache"
+    );
+    let failures = n("remote_get_failures");
+
     // A stall: EIO within the bound, never a hang.
     w.proxy.add(
         Rule::new(
@@ -385,6 +414,10 @@ fn faults_give_exact_bytes_or_eio() {
         t0.elapsed() < Duration::from_secs(30),
         "EIO took {:?}",
         t0.elapsed()
+    );
+    assert!(
+        counter(&m, "remote_get_failures") > failures,
+        "the stalled part is not counted as failed"
     );
 
     // A source that stays unreachable: EIO within the bound; served again once it is back.
@@ -613,6 +646,14 @@ fn the_node_cache_serves_a_remount_without_downloading() {
                 "{rel}"
             );
         }
+        // An empty cache at first: every part not found there was fetched.
+        let st = status(&m);
+        assert!(st["node_cache_misses"].as_u64() > Some(0), "{st}");
+        assert!(
+            st["remote_gets"].as_u64() >= st["node_cache_misses"].as_u64(),
+            "{st}"
+        );
+        assert!(st["remote_bytes_fetched"].as_u64() > Some(0), "{st}");
     }
     // Every data GET now fails: a remount with the cache reads it all, one without cannot.
     w.proxy
@@ -625,6 +666,19 @@ fn the_node_cache_serves_a_remount_without_downloading() {
             "{rel} from the cache"
         );
     }
+    // Every part from the cache, nothing downloaded.
+    let st = status(&m);
+    assert!(st["node_cache_hits"].as_u64() > Some(0), "{st}");
+    let zero = Value::from(0);
+    assert_eq!(
+        (
+            &st["node_cache_misses"],
+            &st["remote_gets"],
+            &st["remote_bytes_fetched"]
+        ),
+        (&zero, &zero, &zero),
+        "{st}"
+    );
     drop(m);
     // Without it the mount cannot even read the metadata: one line, nothing mounted.
     let m = Mnt::new();
