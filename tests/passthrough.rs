@@ -348,6 +348,11 @@ fn decoded_bytes_live_only_in_private_memory() {
         .map(|r| File::open(m.path(r)).unwrap())
         .collect();
     s.assert_view(&m, "passthrough");
+    // A reader can have every byte of a copy before the copy is sealed (its writable
+    // descriptor closed): look once both are.
+    wait_for(60, "both decoded copies sealed", || {
+        decodes_of(&log, BIG) >= 1 && decodes_of(&log, SMALL) >= 1
+    });
     let sealed = fs::canonicalize(s.sealed()).unwrap();
     let log_path = fs::canonicalize(&log).unwrap();
     let mut memory_files = 0;
