@@ -15,6 +15,7 @@ use crate::passthrough::{Copies, Opened, Opens, Reclaim, ServeMode};
 use crate::pressure::Guard;
 use crate::secmem::SecureBuf;
 use crate::view::{Ino, Kind, View};
+use crate::ReadError;
 
 /// The view never changes while mounted, so the kernel may cache everything for long.
 const TTL: Duration = Duration::from_secs(3600);
@@ -225,23 +226,26 @@ impl Filesystem for KllmFs {
         _lock_owner: Option<LockOwner>,
         reply: ReplyData,
     ) {
+        // The bytes read, or why not, as the reply says them.
+        let answer = |got: std::result::Result<&[u8], ReadError>, reply: ReplyData| match got {
+            Ok(bytes) => {
+                Stats::add(&self.view.stats().bytes_served, bytes.len() as u64);
+                reply.data(bytes)
+            }
+            Err(e) => {
+                Stats::add(&self.view.stats().read_errors, 1);
+                log::error!(
+                    "read of {} at {offset} (+{size}) failed: {e}",
+                    self.view.path_of(ino.0)
+                );
+                reply.error(Errno::from_i32(e.errno()))
+            }
+        };
         // From a decoded copy the reply is the copy's own bytes: no copy of our own.
+        // `None` where a chunk of the range failed: the read path decodes that range itself.
         if let Some(fill) = self.opens.fill_of(fh.0) {
-            match fill.decoded(offset, size as usize) {
-                Ok(Some(bytes)) => {
-                    Stats::add(&self.view.stats().bytes_served, bytes.len() as u64);
-                    return reply.data(bytes);
-                }
-                // A failed chunk in the range: the read path decodes that range itself.
-                Ok(None) => {}
-                Err(e) => {
-                    Stats::add(&self.view.stats().read_errors, 1);
-                    log::error!(
-                        "read of {} at {offset} (+{size}) failed: {e}",
-                        self.view.path_of(ino.0)
-                    );
-                    return reply.error(Errno::from_i32(e.errno()));
-                }
+            if let Some(got) = fill.decoded(offset, size as usize).transpose() {
+                return answer(got, reply);
             }
         }
         REPLY.with_borrow_mut(|buf| {
@@ -256,20 +260,8 @@ impl Filesystem for KllmFs {
                 }
             }
             let out = &mut buf.as_mut().expect("just made")[..size];
-            match self.opens.read(fh.0, ino.0, offset, out) {
-                Ok(n) => {
-                    Stats::add(&self.view.stats().bytes_served, n as u64);
-                    reply.data(&out[..n])
-                }
-                Err(e) => {
-                    Stats::add(&self.view.stats().read_errors, 1);
-                    log::error!(
-                        "read of {} at {offset} (+{size}) failed: {e}",
-                        self.view.path_of(ino.0)
-                    );
-                    reply.error(Errno::from_i32(e.errno()));
-                }
-            }
+            let got = self.opens.read(fh.0, ino.0, offset, out);
+            answer(got.map(|n| &out[..n]), reply)
         });
     }
 
