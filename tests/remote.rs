@@ -147,21 +147,6 @@ fn assert_refused(m: &Mnt, c: Command, what: &str) -> String {
     err
 }
 
-fn assert_error_names(case: &Case, err: &str) {
-    for item in case.expect["error_contains"].as_array().unwrap() {
-        let alts: Vec<&str> = match item {
-            Value::String(s) => vec![s.as_str()],
-            Value::Array(a) => a.iter().map(|v| v.as_str().unwrap()).collect(),
-            _ => panic!("bad expect.json"),
-        };
-        assert!(
-            alts.iter().any(|a| err.contains(a)),
-            "{}: error {err:?} lacks {alts:?}",
-            case.name
-        );
-    }
-}
-
 #[test]
 fn every_fixture_from_s3_in_both_modes() {
     let Some(server) = server_with_fixtures() else {
@@ -178,7 +163,7 @@ fn every_fixture_from_s3_in_both_modes() {
                 .args(["--endpoint-url", &endpoint])
                 .envs(env);
             let err = assert_refused(&m, c, &case.name);
-            assert_error_names(&case, &err);
+            case.assert_error_names(&err, &err);
             continue;
         }
         for (i, mode) in ["fuse", "passthrough"].iter().enumerate() {

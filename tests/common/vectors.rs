@@ -65,6 +65,23 @@ impl Case {
     pub fn ok(&self) -> bool {
         self.expect["ok"].as_bool().unwrap_or(false)
     }
+    /// A refused case: `checked` (the error, or the part of it to look in) holds every item
+    /// of `expect.error_contains` (a string, or a list of alternatives); `err` is the whole
+    /// error, for the failure message.
+    pub fn assert_error_names(&self, checked: &str, err: &str) {
+        for item in self.expect["error_contains"].as_array().unwrap() {
+            let alts: Vec<&str> = match item {
+                Value::String(s) => vec![s.as_str()],
+                Value::Array(a) => a.iter().map(|v| v.as_str().unwrap()).collect(),
+                _ => panic!("bad expect.json"),
+            };
+            assert!(
+                alts.iter().any(|a| checked.contains(a)),
+                "{}: error {err:?} lacks {alts:?}",
+                self.name
+            );
+        }
+    }
     pub fn sealed(&self) -> PathBuf {
         self.dir.join("sealed")
     }
