@@ -105,34 +105,31 @@ class Engines:
              "--key", os.path.join(self.dir, "kllm.key")], timeout=120)
         return self.mnt, t0
 
-    def transformers_once(self, model, cond):
+    def engine_once(self, python, engine, model, cond):
+        """A fresh `engine_load.py ENGINE` process on the model: its JSON answer, with the
+        whole process timed from starting kllm-mount (sealed) or the process (plain), and
+        the finished process (for its log)."""
         path, t0 = self.prepare(model, cond)
         try:
-            p = run([self.py, os.path.join(HERE, "engine_load.py"), "transformers", path],
+            p = run([python, os.path.join(HERE, "engine_load.py"), engine, path],
                     capture_output=True, text=True, timeout=900, env=engine_env())
         finally:
             if model == "sealed":
                 unmount(self.mnt)
         out = json.loads(p.stdout.strip().splitlines()[-1])
         out["whole_s"] = out["end"] - t0
-        return out
+        return out, p
+
+    def transformers_once(self, model, cond):
+        return self.engine_once(self.py, "transformers", model, cond)[0]
 
     def vllm_once(self, model, cond):
-        """vLLM's offline LLM on the model: its weight loading (from its log) and the whole
-        process, from starting kllm-mount (sealed) or the process (plain)."""
-        path, t0 = self.prepare(model, cond)
-        try:
-            p = run([self.vllm_py, os.path.join(HERE, "engine_load.py"), "vllm", path],
-                    capture_output=True, text=True, timeout=900, env=engine_env())
-        finally:
-            if model == "sealed":
-                unmount(self.mnt)
-        out = json.loads(p.stdout.strip().splitlines()[-1])
+        """vLLM's offline LLM on the model, with its weight loading (from its log)."""
+        out, p = self.engine_once(self.vllm_py, "vllm", model, cond)
         hits = VLLM_WEIGHTS.findall(p.stdout + p.stderr)
         if not hits:
             raise SystemExit("bench: vLLM's log has no \"Loading weights took\" line")
         out["weights_s"] = float(hits[-1])
-        out["whole_s"] = out["end"] - t0
         return out
 
     def sglang_round(self, model, r):
