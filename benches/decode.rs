@@ -121,6 +121,8 @@ struct Case {
     version: Version,
     codec: Codec,
     plain: Vec<u8>,
+    /// The unit the buffer starts at: a fill chunk begins anywhere in a tensor.
+    first_unit: u64,
 }
 
 fn cases() -> Vec<Case> {
@@ -132,11 +134,18 @@ fn cases() -> Vec<Case> {
             version,
             codec,
             plain,
+            first_unit: 0,
         })
     };
     use Version::{V1, V2};
     add(
         "v2 float BF16",
+        V2,
+        float(Dtype::BF16),
+        floats(Dtype::BF16, false, BUF),
+    );
+    add(
+        "v2 float BF16, from unit 1",
         V2,
         float(Dtype::BF16),
         floats(Dtype::BF16, false, BUF),
@@ -207,6 +216,9 @@ fn cases() -> Vec<Case> {
         float(Dtype::F8_E4M3),
         floats(Dtype::F8_E4M3, false, BUF),
     );
+    out.iter_mut()
+        .filter(|c| c.label.ends_with("from unit 1"))
+        .for_each(|c| c.first_unit = 1);
     out
 }
 
@@ -284,7 +296,8 @@ fn main() {
         let ub = case.codec.unit_bytes();
         let units = (data.len() / ub) as u64;
         let rate = measure(data.len(), |i| {
-            lock.decode((i % 1024) * units, &mut data).expect("decodes");
+            lock.decode((i % 1024) * units + case.first_unit, &mut data)
+                .expect("decodes");
         });
         let ratio = stream_per_unit(&lock, case.codec, m) as f64 / ub as f64;
         let ks = match case.version {

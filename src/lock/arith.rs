@@ -17,6 +17,8 @@ pub(super) trait Lane:
 {
     /// Bytes of key stream one code consumes.
     const WORD_BYTES: usize;
+    /// The span as [`Lane::offset`] takes it, prepared once per batch.
+    type Span: Copy;
     const ONE: Self;
 
     /// `x` cut to the lane; callers pass values the lane holds (`m`, `span`, checked codes).
@@ -28,9 +30,10 @@ pub(super) trait Lane:
     /// The low `width` bytes of `self`, little-endian, zero-extended when `width` is wider.
     fn store(self, bytes: &mut [u8], width: usize);
 
+    fn span(span: u64) -> Self::Span;
     /// The offset a code's stream word (at the start of `word`) gives, below `span`.
     /// `small_span`: `span <= 2^16`, known when the kernel is built.
-    fn offset(word: &[u8], span: Self, small_span: bool) -> Self;
+    fn offset(word: &[u8], span: Self::Span, small_span: bool) -> Self;
 
     fn overflowing_sub(self, rhs: Self) -> (Self, bool);
     fn wrapping_add(self, rhs: Self) -> Self;
@@ -38,6 +41,7 @@ pub(super) trait Lane:
 
 impl Lane for u32 {
     const WORD_BYTES: usize = 4;
+    type Span = u32;
     const ONE: u32 = 1;
 
     #[inline(always)]
@@ -71,6 +75,11 @@ impl Lane for u32 {
     }
 
     #[inline(always)]
+    fn span(span: u64) -> u32 {
+        span as u32
+    }
+
+    #[inline(always)]
     fn offset(word: &[u8], span: u32, small_span: bool) -> u32 {
         let word = u32::load(word, 4);
         if small_span {
@@ -93,6 +102,7 @@ impl Lane for u32 {
 
 impl Lane for u64 {
     const WORD_BYTES: usize = 8;
+    type Span = WideSpan;
     const ONE: u64 = 1;
 
     #[inline(always)]
@@ -118,7 +128,12 @@ impl Lane for u64 {
     }
 
     #[inline(always)]
-    fn offset(word: &[u8], span: u64, _small_span: bool) -> u64 {
+    fn span(span: u64) -> WideSpan {
+        WideSpan::new(span)
+    }
+
+    #[inline(always)]
+    fn offset(word: &[u8], span: WideSpan, _small_span: bool) -> u64 {
         wide_offset(u64::load(word, 8), span)
     }
 
@@ -144,10 +159,22 @@ pub(super) fn narrow_offset<const SMALL_SPAN: bool>(word: u32, span: u32) -> u32
     }
 }
 
+/// A wide span with its reciprocal: a 64-bit `%` by a divisor known only at run time is a
+/// hardware divide per code, which made wide streams run at a third of their key stream's
+/// speed (`cargo bench --bench decode`, "F32 (wide span)").
+#[derive(Debug, Clone, Copy)]
+pub(super) struct WideSpan(strength_reduce::StrengthReducedU64);
+
+impl WideSpan {
+    pub(super) fn new(span: u64) -> WideSpan {
+        WideSpan(strength_reduce::StrengthReducedU64::new(span))
+    }
+}
+
 /// A 64-bit stream word, its top bit dropped, reduced modulo `span` (kLLM's wide form).
 #[inline(always)]
-pub(super) fn wide_offset(word: u64, span: u64) -> u64 {
-    (word & 0x7FFF_FFFF_FFFF_FFFF) % span
+pub(super) fn wide_offset(word: u64, span: WideSpan) -> u64 {
+    (word & 0x7FFF_FFFF_FFFF_FFFF) % span.0
 }
 
 /// `(word * span) >> 32` for `span <= 2^16`, in 32-bit arithmetic: exact, because
@@ -214,15 +241,21 @@ mod tests {
         assert_eq!(narrow_offset::<true>(u32::MAX, 0x10000), 0xFFFF);
         assert_eq!(narrow_offset::<true>(0x8000_0000, 10), 5);
         // The wide form ignores the top bit of the word.
-        assert_eq!(wide_offset(u64::MAX, 1 << 40), (1 << 40) - 1);
-        assert_eq!(wide_offset(1 << 63, 7), 0);
-        assert_eq!(wide_offset((1 << 63) | 20, 7), 6);
+        assert_eq!(wide_offset(u64::MAX, WideSpan::new(1 << 40)), (1 << 40) - 1);
+        assert_eq!(wide_offset(1 << 63, WideSpan::new(7)), 0);
+        assert_eq!(wide_offset((1 << 63) | 20, WideSpan::new(7)), 6);
         let mut x = 0x0123_4567_89AB_CDEFu64;
         for _ in 0..10_000 {
             let span = 1 + xorshift(&mut x) % (1 << 31);
             assert!((narrow_offset::<false>(xorshift(&mut x) as u32, span as u32) as u64) < span);
-            let span = 1 + xorshift(&mut x);
-            assert!(wide_offset(xorshift(&mut x), span) < span);
+            let span = 1 + xorshift(&mut x) % (1 << (1 + xorshift(&mut x) % 63));
+            let word = xorshift(&mut x);
+            let off = wide_offset(word, WideSpan::new(span));
+            assert_eq!(
+                off,
+                (word & (u64::MAX >> 1)) % span,
+                "{word:#x} mod {span:#x}"
+            );
         }
     }
 
@@ -232,7 +265,7 @@ mod tests {
         assert_eq!(u32::offset(&word, 1 << 16, false), 0xDEAD);
         assert_eq!(u32::offset(&word, 1 << 16, true), 0xDEAD);
         assert_eq!(
-            u64::offset(&word, 1 << 32, false),
+            u64::offset(&word, WideSpan::new(1 << 32), false),
             0x1234_5678_DEAD_BEEF & 0xFFFF_FFFF
         );
     }

@@ -172,6 +172,7 @@ impl Kind for Fp4Pair {
 #[inline(always)]
 fn shift_codes<K: Kind, L: Lane, const LOCK: bool>(d: Domain, part: &mut [u8], ks: &[u8]) {
     let (m, span) = (L::from_u64(d.m), L::from_u64(d.span));
+    let modulus = L::span(d.span);
     let code_mask = L::from_u64((1u64 << K::CODE_BITS.min(63)) - 1);
     let words = ks.chunks_exact(K::CODES_PER_UNIT * L::WORD_BYTES);
     for (unit, word) in part.chunks_exact_mut(K::UNIT_BYTES).zip(words) {
@@ -184,7 +185,7 @@ fn shift_codes<K: Kind, L: Lane, const LOCK: bool>(d: Domain, part: &mut [u8], k
             } else {
                 (raw >> at) & code_mask
             };
-            let off = L::offset(&word[c * L::WORD_BYTES..], span, K::SMALL_SPAN);
+            let off = L::offset(&word[c * L::WORD_BYTES..], modulus, K::SMALL_SPAN);
             let p = shift_mod::<L, LOCK>(K::index(code, m), off, span);
             out = out | (K::code(p, m) << at);
         }
