@@ -507,11 +507,9 @@ impl Inner {
             }
             fetched[i] = false;
             if result.is_ok() {
-                // The next chunk is Pending and only this thread writes chunks: its bytes
-                // are free to fetch while chunk `i` is unlocked.
-                let next = next.filter(|&j| {
-                    !fetched[j] && self.allocate(&mut allocated, self.range(j).1).is_ok()
-                });
+                // The next chunk is Pending and only this thread writes chunks: its memory
+                // is free to allocate and its bytes to fetch while chunk `i` is unlocked.
+                let next = next.filter(|&j| !fetched[j]);
                 // SAFETY: as above; `i` and `next` are different chunks.
                 let buf = unsafe { self.chunk_mut(i) };
                 let mut unlock = move || (self.source.unlock)(a, buf);
@@ -521,9 +519,10 @@ impl Inner {
                         _ => unlock(),
                     });
                     if let Some(j) = next {
-                        let (c, _) = self.range(j);
-                        // SAFETY: see above.
-                        fetched[j] = (self.source.fetch)(c, unsafe { self.chunk_mut(j) }).is_ok();
+                        let (c, d) = self.range(j);
+                        fetched[j] = self.allocate(&mut allocated, d).is_ok()
+                            // SAFETY: see above; the chunk's memory is allocated.
+                            && (self.source.fetch)(c, unsafe { self.chunk_mut(j) }).is_ok();
                     }
                     unlocking
                         .join()
