@@ -3,8 +3,8 @@
 and docs/PERFORMANCE.md.
 
 Systems: kllm-mount with its default options ("kllm": `--mode auto`, passthrough as root:
-the first open decodes the whole shard into private memory and the kernel serves it from
-there) and with every read through the daemon ("kllm-fuse": `--mode fuse`), bindfs,
+each shard is decoded into private memory from the mount on, reads are served from the
+copy as it fills, and once complete the kernel serves it) and with every read through the daemon ("kllm-fuse": `--mode fuse`), bindfs,
 gocryptfs, and "raw": the plain file read directly.
 
 Per round, for each data set (a lock-v2 BF16 shard, a lock-v1 F32/F8 shard):
