@@ -127,54 +127,55 @@ struct Case {
 
 fn cases() -> Vec<Case> {
     let float = |d| Codec::float(d).unwrap();
-    let mut out = Vec::new();
-    let mut add = |label, version, codec, plain| {
-        out.push(Case {
-            label,
-            version,
-            codec,
-            plain,
-            first_unit: 0,
-        })
+    let case = |label, version, codec, plain| Case {
+        label,
+        version,
+        codec,
+        plain,
+        first_unit: 0,
     };
+    let mut out = Vec::new();
     use Version::{V1, V2};
-    add(
+    out.push(case(
         "v2 float BF16",
         V2,
         float(Dtype::BF16),
         floats(Dtype::BF16, false, BUF),
-    );
-    add(
-        "v2 float BF16, from unit 1",
-        V2,
-        float(Dtype::BF16),
-        floats(Dtype::BF16, false, BUF),
-    );
-    add(
+    ));
+    out.push(Case {
+        first_unit: 1,
+        ..case(
+            "v2 float BF16, from unit 1",
+            V2,
+            float(Dtype::BF16),
+            floats(Dtype::BF16, false, BUF),
+        )
+    });
+    out.push(case(
         "v2 float F16",
         V2,
         float(Dtype::F16),
         floats(Dtype::F16, false, BUF),
-    );
-    add(
+    ));
+    out.push(case(
         "v2 float F32 (abs < 2)",
         V2,
         float(Dtype::F32),
         floats(Dtype::F32, false, BUF),
-    );
-    add(
+    ));
+    out.push(case(
         "v2 float F32 (wide span)",
         V2,
         float(Dtype::F32),
         floats(Dtype::F32, true, BUF),
-    );
-    add(
+    ));
+    out.push(case(
         "v2 float F8_E4M3",
         V2,
         float(Dtype::F8_E4M3),
         floats(Dtype::F8_E4M3, false, BUF),
-    );
-    add(
+    ));
+    out.push(case(
         "v2 e8m0 F8_E8M0",
         V2,
         Codec::E8m0,
@@ -182,8 +183,8 @@ fn cases() -> Vec<Case> {
             .into_iter()
             .map(|b| 0x70 + b % 16)
             .collect(),
-    );
-    add(
+    ));
+    out.push(case(
         "v2 index I32",
         V2,
         Codec::Index { bytes: 4 },
@@ -191,34 +192,31 @@ fn cases() -> Vec<Case> {
             .into_iter()
             .flat_map(|r| (r % 151_936).to_le_bytes())
             .collect(),
-    );
-    add(
+    ));
+    out.push(case(
         "v2 e2m1x2 U8 (FP4)",
         V2,
         Codec::Fp4x2,
         pseudo_random(13, BUF),
-    );
-    add(
+    ));
+    out.push(case(
         "v1 BF16",
         V1,
         float(Dtype::BF16),
         floats(Dtype::BF16, false, BUF),
-    );
-    add(
+    ));
+    out.push(case(
         "v1 F32",
         V1,
         float(Dtype::F32),
         floats(Dtype::F32, false, BUF),
-    );
-    add(
+    ));
+    out.push(case(
         "v1 F8_E4M3",
         V1,
         float(Dtype::F8_E4M3),
         floats(Dtype::F8_E4M3, false, BUF),
-    );
-    out.iter_mut()
-        .filter(|c| c.label.ends_with("from unit 1"))
-        .for_each(|c| c.first_unit = 1);
+    ));
     out
 }
 

@@ -30,6 +30,7 @@ pub(super) trait Lane:
     /// The low `width` bytes of `self`, little-endian, zero-extended when `width` is wider.
     fn store(self, bytes: &mut [u8], width: usize);
 
+    /// `span` as [`Lane::offset`] takes it (with its reciprocal, for wide lanes).
     fn span(span: u64) -> Self::Span;
     /// The offset a code's stream word (at the start of `word`) gives, below `span`.
     /// `small_span`: `span <= 2^16`, known when the kernel is built.

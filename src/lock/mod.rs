@@ -220,19 +220,13 @@ mod tests {
             (Version::V1, f32, 0x4000_0000, 4),
             (Version::V2, f32, 0x4300_0000, 4),
         ];
-        let mut x = 0x9E37_79B9_7F4A_7C15u64;
-        let mut next = move || {
-            x ^= x << 13;
-            x ^= x >> 7;
-            x ^= x << 17;
-            x
-        };
+        let mut rng = crate::testkit::SplitMix(7);
         for (version, codec, m, ub) in cases {
             let lock = TensorLock::new(&key, version, codec, m, "t.weight");
             let units = 3 * BATCH + 17;
             let mut sealed = vec![0u8; units * ub];
             for v in sealed.chunks_exact_mut(ub) {
-                let code = (next() % m) | ((next() & 1) << (8 * ub - 1));
+                let code = rng.below(m) | (rng.below(2) << (8 * ub - 1));
                 v.copy_from_slice(&code.to_le_bytes()[..ub]);
             }
             let mut whole = sealed.clone();
@@ -241,7 +235,7 @@ mod tests {
                 let mut pieces = sealed.clone();
                 let mut at = 0;
                 while at < units {
-                    let n = (1 + next() as usize % (BATCH + 100)).min(units - at);
+                    let n = (1 + rng.below(BATCH as u64 + 100) as usize).min(units - at);
                     let piece = &mut pieces[at * ub..(at + n) * ub];
                     lock.decode(at as u64, piece).expect("in the domain");
                     at += n;
