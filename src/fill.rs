@@ -75,7 +75,15 @@ pub struct Input {
     pub decode: Box<DecodeFn>,
     pub check: Option<Arc<CheckFn>>,
     pub prefetch: Option<Box<PrefetchFn>>,
+    /// Whether `fetch` writes `[off, off + len)` of the copy by DMA (`O_DIRECT`). Such a
+    /// chunk's fresh pages are faulted in a chunk ahead, on another core: a DMA read
+    /// first waits for every page to be cleared. A CPU copy is left to clear each page as
+    /// it writes it, while the page is in the cache.
+    pub fetch_is_dma: Box<RangeFn>,
 }
+
+/// A question about the sealed bytes of `[off, off + len)`.
+pub type RangeFn = dyn Fn(u64, u64) -> bool + Send + Sync;
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Priority {
@@ -254,10 +262,17 @@ impl Fill {
                 .local_file()
                 .map_err(|e| io::Error::other(e.to_string()))?
             {
-                Some(f) => Some(SealedReader::new(f)?),
+                Some(f) => Some(Arc::new(SealedReader::new(f)?)),
                 None => None,
             },
             None => None,
+        };
+        let fetch_is_dma: Box<RangeFn> = match &local {
+            Some(r) => {
+                let r = r.clone();
+                Box::new(move |off, len| r.reads_direct(off, len))
+            }
+            None => Box::new(|_, _| false),
         };
         // Without O_DIRECT the page cache brings the sealed bytes: ask for them ahead.
         let prefetch: Option<Box<PrefetchFn>> = match &local {
@@ -277,6 +292,7 @@ impl Fill {
             decode: Box::new(decode),
             check,
             prefetch,
+            fetch_is_dma,
         };
         let target = Target {
             file: memory.create()?,
@@ -478,7 +494,8 @@ impl Inner {
     /// Decode every chunk, wanted ones first, else in order from the cursor. Each chunk is
     /// fetched (its sealed bytes brought into its place) and then unlocked in place; the
     /// next chunk is fetched on this thread while the cores unlock the current one, so the
-    /// disk and the decode overlap.
+    /// disk and the decode overlap, and the memory of the chunk after it is faulted in
+    /// beside them when the disk writes it by DMA.
     fn dispatch(self: &Arc<Self>) {
         let mut failures = 0usize;
         // Memory is allocated in file order up to the chunk decoded, so that the page size
@@ -486,7 +503,7 @@ impl Inner {
         let mut allocated = if self.step == 0 { self.len } else { 0 };
         let mut fetched = vec![false; self.state.lock().chunks.len()];
         loop {
-            let (i, next, priority) = {
+            let (i, next, then, priority) = {
                 let mut s = self.state.lock();
                 if s.cancelled {
                     return;
@@ -495,7 +512,12 @@ impl Inner {
                 s.chunks[i] = Chunk::Busy;
                 s.cursor = i + 1;
                 self.changed.notify_all();
-                (i, s.peek_next(), s.priority)
+                let next = s.peek_next();
+                // The chunk after the next, if readers leave the decoder in file order.
+                let then = next
+                    .map(|j| j + 1)
+                    .filter(|&k| s.chunks.get(k) == Some(&Chunk::Pending));
+                (i, next, then, s.priority)
             };
             let (a, b) = self.range(i);
             let mut result = self.allocate(&mut allocated, b).map_err(ReadError::Io);
@@ -510,6 +532,10 @@ impl Inner {
                 // The next chunk is Pending and only this thread writes chunks: its memory
                 // is free to allocate and its bytes to fetch while chunk `i` is unlocked.
                 let next = next.filter(|&j| !fetched[j]);
+                let then = then.filter(|&k| {
+                    let (e, f) = self.range(k);
+                    next.is_some() && (self.source.fetch_is_dma)(e, f - e)
+                });
                 // SAFETY: as above; `i` and `next` are different chunks.
                 let buf = unsafe { self.chunk_mut(i) };
                 let mut unlock = move || (self.source.unlock)(a, buf);
@@ -518,6 +544,16 @@ impl Inner {
                         (Priority::Ahead, Some(pool)) => pool.install(unlock),
                         _ => unlock(),
                     });
+                    if let Some(k) = then {
+                        // Chunk `k` is Pending: nothing reads or writes it until this
+                        // thread takes it, and faulting pages in leaves their bytes as they
+                        // are.
+                        if self.allocate(&mut allocated, self.range(k).1).is_ok() {
+                            // SAFETY: see above; `k` differs from `i` and `next`.
+                            let mem = unsafe { self.chunk_mut(k) };
+                            scope.spawn(move || crate::memfs::fault_in(mem));
+                        }
+                    }
                     if let Some(j) = next {
                         let (c, d) = self.range(j);
                         fetched[j] = self.allocate(&mut allocated, d).is_ok()
@@ -696,14 +732,20 @@ impl SealedReader {
         })
     }
 
+    /// Whether `read` brings `[off, off + len)` (into aligned memory) from the disk by
+    /// `O_DIRECT`.
+    fn reads_direct(&self, off: u64, len: u64) -> bool {
+        self.direct.is_some()
+            && off % DIRECT_ALIGN == 0
+            && len >= DIRECT_ALIGN
+            && !self.mostly_cached(off, len)
+    }
+
     fn read(&self, off: u64, buf: &mut [u8]) -> io::Result<()> {
         use std::os::unix::fs::FileExt;
         let aligned = (buf.len() as u64 / DIRECT_ALIGN * DIRECT_ALIGN) as usize;
         let direct = self.direct.as_ref().filter(|_| {
-            off % DIRECT_ALIGN == 0
-                && buf.as_ptr() as u64 % DIRECT_ALIGN == 0
-                && aligned > 0
-                && !self.mostly_cached(off, buf.len() as u64)
+            buf.as_ptr() as u64 % DIRECT_ALIGN == 0 && self.reads_direct(off, buf.len() as u64)
         });
         let done = match direct {
             Some(d) => match d.read_exact_at(&mut buf[..aligned], off) {
@@ -827,6 +869,7 @@ mod tests {
             decode: Box::new(move |off, buf| e(off, buf)),
             check,
             prefetch,
+            fetch_is_dma: Box::new(|_, _| false),
         }
     }
 
@@ -1044,6 +1087,8 @@ mod tests {
             decode: Box::new(decode_ok),
             check: None,
             prefetch: None,
+            // The chunk after the next faulted in beside the fetch.
+            fetch_is_dma: Box::new(|_, _| true),
         };
         let n = 12;
         let f = start(n * CHUNK, src, Priority::Demand);

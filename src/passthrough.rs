@@ -1159,6 +1159,7 @@ mod tests {
             decode: Box::new(make),
             check: None,
             prefetch: None,
+            fetch_is_dma: Box::new(|_, _| false),
         };
         let target = Target {
             file: tempfile::tempfile().unwrap(),
