@@ -6,10 +6,11 @@
 //! it allocates the chunk's memory (the allocation step sets the folio size), fetches its
 //! sealed bytes into place (`O_DIRECT` from disk when they are not cached) and has all cores
 //! unlock them in place, fetching the next chunk meanwhile so the disk and the decode
-//! overlap. A reader that needs a chunk not yet decoded waits for it and moves the
-//! dispatcher there (then on from there: a sequential reader keeps the decoder just ahead of
-//! it). Without `O_DIRECT` a prefetch thread asks the kernel for the sealed bytes a window
-//! ahead instead. Once every chunk is decoded and the file's integrity verdict is in, the
+//! overlap. A source that gains from many reads at once (a remote one) has fetcher threads
+//! bring many chunks at once, each straight into its place. A reader that needs a chunk not
+//! yet decoded waits for it and moves the dispatcher there (then on from there: a sequential
+//! reader keeps the decoder just ahead of it). Without `O_DIRECT` a prefetch thread asks the
+//! kernel for the sealed bytes a window ahead instead. Once every chunk is decoded and the file's integrity verdict is in, the
 //! file is sealed read-only and handed out for passthrough.
 //!
 //! A chunk that fails to decode (a corrupt value, an I/O error, a rewritten sealed file) is
@@ -80,6 +81,10 @@ pub struct Input {
     /// first waits for every page to be cleared. A CPU copy is left to clear each page as
     /// it writes it, while the page is in the cache.
     pub fetch_is_dma: Box<RangeFn>,
+    /// How many chunks may be fetched at once, each by its own thread straight into its
+    /// place, ahead of the unlock (a remote source: many GETs in flight). 1: the next chunk
+    /// is fetched beside the unlock of the current one.
+    pub fetch_ahead: usize,
 }
 
 /// A question about the sealed bytes of `[off, off + len)`.
@@ -126,6 +131,20 @@ struct State {
     cancelled: bool,
     /// Threads working for this fill, reniced when it is urged.
     tids: Vec<libc::pid_t>,
+    /// With `Input::fetch_ahead` > 1: each chunk's fetch, and the chunks queued for the
+    /// fetchers, in the order they take them.
+    fetches: Vec<Fetch>,
+    queued: VecDeque<usize>,
+}
+
+/// A chunk's fetch when many run at once.
+#[derive(Debug, Clone, PartialEq, Eq)]
+enum Fetch {
+    Idle,
+    Queued,
+    Running,
+    Fetched,
+    Failed(String),
 }
 
 struct Inner {
@@ -139,6 +158,8 @@ struct Inner {
     source: Input,
     state: Mutex<State>,
     changed: Condvar,
+    /// Wakes the fetchers (a chunk queued, the fill over) and the dispatcher (a fetch in).
+    fetch_moved: Condvar,
     started: Instant,
     label: String,
 }
@@ -197,8 +218,11 @@ impl Fill {
                 complete: None,
                 cancelled: false,
                 tids: Vec::new(),
+                fetches: vec![Fetch::Idle; n],
+                queued: VecDeque::new(),
             }),
             changed: Condvar::new(),
+            fetch_moved: Condvar::new(),
             started: Instant::now(),
             label,
         });
@@ -217,6 +241,15 @@ impl Fill {
                 let _enlisted = Inner::enlist(&Arc::downgrade(&i));
                 i.prefetch();
             })?;
+        }
+        if inner.source.fetch_ahead > 1 {
+            for _ in 0..inner.source.fetch_ahead.min(n) {
+                let i = inner.clone();
+                spawn("kllm-fetch", move || {
+                    let _enlisted = Inner::enlist(&Arc::downgrade(&i));
+                    i.fetcher();
+                })?;
+            }
         }
         let i = inner.clone();
         spawn("kllm-fill", move || {
@@ -281,9 +314,14 @@ impl Fill {
             }
             _ => None,
         };
+        // Any other source by its own reads, as many at once as it gains from.
+        let fetch_ahead = match (&local, &object) {
+            (None, Some(o)) => o.parallel_reads().max(1),
+            _ => 1,
+        };
         let fetch = move |off: u64, buf: &mut [u8]| match (&local, &object) {
             (Some(r), _) => r.read(off, buf),
-            (None, Some(o)) => crate::source::raw_read(&**o, off, buf),
+            (None, Some(o)) => o.read_once_at(buf, off).map_err(io::Error::from),
             (None, None) => Ok(()),
         };
         let source = Input {
@@ -293,6 +331,7 @@ impl Fill {
             check,
             prefetch,
             fetch_is_dma,
+            fetch_ahead,
         };
         let target = Target {
             file: memory.create()?,
@@ -440,6 +479,7 @@ impl Drop for Fill {
         let mut s = self.inner.state.lock();
         s.cancelled = true;
         self.inner.changed.notify_all();
+        self.inner.fetch_moved.notify_all();
     }
 }
 
@@ -498,6 +538,19 @@ impl Inner {
     /// beside them when the disk writes it by DMA.
     fn dispatch(self: &Arc<Self>) {
         let mut failures = 0usize;
+        let finished = if self.source.fetch_ahead > 1 {
+            self.decode_fetched_ahead(&mut failures)
+        } else {
+            self.decode_in_turn(&mut failures)
+        };
+        if finished {
+            self.finish(failures);
+        }
+    }
+
+    /// Every chunk, each fetched on this thread beside the unlock of the one before; false
+    /// when the fill was cancelled.
+    fn decode_in_turn(self: &Arc<Self>, failures: &mut usize) -> bool {
         // Memory is allocated in file order up to the chunk decoded, so that the page size
         // stays the step's even when a reader moves the decoder ahead.
         let mut allocated = if self.step == 0 { self.len } else { 0 };
@@ -506,7 +559,7 @@ impl Inner {
             let (i, next, then, priority) = {
                 let mut s = self.state.lock();
                 if s.cancelled {
-                    return;
+                    return false;
                 }
                 let Some(i) = s.next_chunk() else { break };
                 s.chunks[i] = Chunk::Busy;
@@ -538,12 +591,8 @@ impl Inner {
                 });
                 // SAFETY: as above; `i` and `next` are different chunks.
                 let buf = unsafe { self.chunk_mut(i) };
-                let mut unlock = move || (self.source.unlock)(a, buf);
                 result = std::thread::scope(|scope| {
-                    let unlocking = scope.spawn(move || match (priority, ahead_pool()) {
-                        (Priority::Ahead, Some(pool)) => pool.install(unlock),
-                        _ => unlock(),
-                    });
+                    let unlocking = scope.spawn(move || self.unlock(priority, a, buf));
                     if let Some(k) = then {
                         // Chunk `k` is Pending: nothing reads or writes it until this
                         // thread takes it, and faulting pages in leaves their bytes as they
@@ -565,23 +614,153 @@ impl Inner {
                         .unwrap_or_else(|_| Err(ReadError::Io(io::Error::other("decode panicked"))))
                 });
             }
-            let mut s = self.state.lock();
-            s.left -= 1;
-            s.chunks[i] = match &result {
-                Ok(()) => Chunk::Done,
-                Err(e) => {
-                    if failures == 0 {
-                        log::warn!(
-                            "{}: bytes {a}..{b} not decoded ({e}); reads there decode their own range",
-                            self.label
-                        );
+            self.chunk_ended(i, result, failures);
+        }
+        true
+    }
+
+    /// Every chunk, fetched by the fetcher threads up to `fetch_ahead` at once from the
+    /// chunk decoded on (the chunk decoded first in the queue), each unlocked here once its
+    /// fetch is in while the fetchers go on; false when the fill was cancelled.
+    fn decode_fetched_ahead(self: &Arc<Self>, failures: &mut usize) -> bool {
+        let mut allocated = if self.step == 0 { self.len } else { 0 };
+        let n = self.len.div_ceil(CHUNK) as usize;
+        loop {
+            let (i, priority, jobs) = {
+                let mut s = self.state.lock();
+                if s.cancelled {
+                    return false;
+                }
+                let Some(i) = s.next_chunk() else { break };
+                s.chunks[i] = Chunk::Busy;
+                s.cursor = i + 1;
+                self.changed.notify_all();
+                let running = s
+                    .fetches
+                    .iter()
+                    .filter(|f| matches!(f, Fetch::Queued | Fetch::Running))
+                    .count();
+                // Chunk `i` is fetched whatever runs already; the ones after it while
+                // fewer than `fetch_ahead` fetches are under way.
+                let mut jobs: Vec<usize> = (s.fetches[i] == Fetch::Idle)
+                    .then_some(i)
+                    .into_iter()
+                    .collect();
+                let room = self.source.fetch_ahead.saturating_sub(running + jobs.len());
+                jobs.extend(
+                    (i + 1..n)
+                        .filter(|&j| s.chunks[j] == Chunk::Pending && s.fetches[j] == Fetch::Idle)
+                        .take(room),
+                );
+                for &j in &jobs {
+                    s.fetches[j] = Fetch::Queued;
+                }
+                (i, s.priority, jobs)
+            };
+            let (a, b) = self.range(i);
+            let top = jobs.iter().max().map_or(b, |&j| self.range(j).1.max(b));
+            let mut result = self.allocate(&mut allocated, top).map_err(ReadError::Io);
+            {
+                let mut s = self.state.lock();
+                for &j in jobs.iter().rev() {
+                    if result.is_err() {
+                        s.fetches[j] = Fetch::Idle;
+                    } else if j == i {
+                        s.queued.push_front(j);
+                    } else {
+                        s.queued.push_back(j);
                     }
-                    failures += 1;
-                    Chunk::Failed
+                }
+                self.fetch_moved.notify_all();
+                while result.is_ok()
+                    && matches!(s.fetches[i], Fetch::Queued | Fetch::Running)
+                    && !s.cancelled
+                {
+                    self.fetch_moved.wait(&mut s);
+                }
+                if s.cancelled {
+                    return false;
+                }
+                if result.is_ok() {
+                    result = match std::mem::replace(&mut s.fetches[i], Fetch::Idle) {
+                        Fetch::Fetched => Ok(()),
+                        Fetch::Failed(why) => Err(ReadError::Io(io::Error::other(why))),
+                        other => unreachable!("chunk {i} fetched as {other:?}"),
+                    };
+                }
+            }
+            if result.is_ok() {
+                // SAFETY: chunk `i` is Busy and its fetch is over: only this thread touches
+                // its bytes until it is marked Done or Failed.
+                result = self.unlock(priority, a, unsafe { self.chunk_mut(i) });
+            }
+            self.chunk_ended(i, result, failures);
+        }
+        true
+    }
+
+    /// A fetcher: takes queued chunks and brings their sealed bytes into place, until the
+    /// fill is over.
+    fn fetcher(&self) {
+        loop {
+            let j = {
+                let mut s = self.state.lock();
+                loop {
+                    if s.cancelled || s.progress != Progress::Filling {
+                        return;
+                    }
+                    if let Some(j) = s.queued.pop_front() {
+                        s.fetches[j] = Fetch::Running;
+                        break j;
+                    }
+                    self.fetch_moved.wait(&mut s);
                 }
             };
-            self.changed.notify_all();
+            let (c, _) = self.range(j);
+            // SAFETY: a queued chunk is allocated, Pending or Busy with its fetch running:
+            // nothing else touches its bytes until its fetch is marked over.
+            let got = (self.source.fetch)(c, unsafe { self.chunk_mut(j) });
+            let mut s = self.state.lock();
+            s.fetches[j] = match got {
+                Ok(()) => Fetch::Fetched,
+                Err(e) => Fetch::Failed(e.to_string()),
+            };
+            self.fetch_moved.notify_all();
         }
+    }
+
+    /// The fetched bytes at `a` turned into view bytes in place, at the fill's priority.
+    fn unlock(&self, priority: Priority, a: u64, buf: &mut [u8]) -> Result<(), ReadError> {
+        let mut unlock = || (self.source.unlock)(a, buf);
+        match (priority, ahead_pool()) {
+            (Priority::Ahead, Some(pool)) => pool.install(unlock),
+            _ => unlock(),
+        }
+    }
+
+    /// Chunk `i` decoded, or not.
+    fn chunk_ended(&self, i: usize, result: Result<(), ReadError>, failures: &mut usize) {
+        let mut s = self.state.lock();
+        s.left -= 1;
+        s.chunks[i] = match &result {
+            Ok(()) => Chunk::Done,
+            Err(e) => {
+                if *failures == 0 {
+                    let (a, b) = self.range(i);
+                    log::warn!(
+                        "{}: bytes {a}..{b} not decoded ({e}); reads there decode their own range",
+                        self.label
+                    );
+                }
+                *failures += 1;
+                Chunk::Failed
+            }
+        };
+        self.changed.notify_all();
+    }
+
+    /// Every chunk is over: the verdict, then the file sealed for passthrough or not.
+    fn finish(&self, failures: usize) {
         let verdict = match &self.source.check {
             Some(check) => check(),
             None => Ok(()),
@@ -609,6 +788,7 @@ impl Inner {
             }
         }
         self.changed.notify_all();
+        self.fetch_moved.notify_all();
     }
 
     /// Allocate the file's memory in order up to `to`; `allocated` is how far it is.
@@ -870,6 +1050,7 @@ mod tests {
             check,
             prefetch,
             fetch_is_dma: Box::new(|_, _| false),
+            fetch_ahead: 1,
         }
     }
 
@@ -1065,20 +1246,31 @@ mod tests {
         assert!(n < 100);
     }
 
-    #[test]
-    fn each_chunk_is_fetched_once_and_unlocked_after_its_fetch() {
-        // Fetch writes the "sealed" bytes, unlock turns them into view bytes: a chunk
-        // unlocked before its fetch, or fetched twice over an unlocked chunk, reads wrong.
-        let fetches = Arc::new(AtomicUsize::new(0));
-        let f2 = fetches.clone();
+    /// A source whose fetch writes the "sealed" bytes (after a pause) and whose unlock
+    /// turns them into view bytes: a chunk unlocked before its fetch, or fetched twice over
+    /// an unlocked chunk, reads wrong. Counts the fetches, and the most at once. The fetch
+    /// of chunk `failing` fails.
+    fn sealed_source(
+        fetch_ahead: usize,
+        failing: Option<u64>,
+    ) -> (Input, Arc<AtomicUsize>, Arc<AtomicUsize>) {
+        let (fetches, most) = (Arc::new(AtomicUsize::new(0)), Arc::new(AtomicUsize::new(0)));
+        let (f2, m2) = (fetches.clone(), most.clone());
+        let running = Arc::new(AtomicUsize::new(0));
         let src = Input {
             fetch: Box::new(move |off, buf: &mut [u8]| {
                 f2.fetch_add(1, Ordering::SeqCst);
+                let now = running.fetch_add(1, Ordering::SeqCst) + 1;
+                m2.fetch_max(now, Ordering::SeqCst);
                 std::thread::sleep(Duration::from_millis(5));
                 for (i, b) in buf.iter_mut().enumerate() {
                     *b = byte(off + i as u64) ^ 0x5a;
                 }
-                Ok(())
+                running.fetch_sub(1, Ordering::SeqCst);
+                match failing {
+                    Some(c) if off / CHUNK == c => Err(io::Error::other("no such part")),
+                    _ => Ok(()),
+                }
             }),
             unlock: Box::new(|_, buf: &mut [u8]| {
                 buf.iter_mut().for_each(|b| *b ^= 0x5a);
@@ -1087,9 +1279,15 @@ mod tests {
             decode: Box::new(decode_ok),
             check: None,
             prefetch: None,
-            // The chunk after the next faulted in beside the fetch.
+            // With one fetch at a time, the chunk after the next is faulted in beside it.
             fetch_is_dma: Box::new(|_, _| true),
+            fetch_ahead,
         };
+        (src, fetches, most)
+    }
+
+    fn each_chunk_fetched_once_and_unlocked_after_its_fetch(fetch_ahead: usize) -> usize {
+        let (src, fetches, most) = sealed_source(fetch_ahead, None);
         let n = 12;
         let f = start(n * CHUNK, src, Priority::Demand);
         // Readers move the decoder around: the last chunk, the middle, then the rest.
@@ -1104,6 +1302,32 @@ mod tests {
         m.file().read_exact_at(&mut all, 0).unwrap();
         expect(0, &all);
         assert_eq!(fetches.load(Ordering::SeqCst), n as usize);
+        most.load(Ordering::SeqCst)
+    }
+
+    #[test]
+    fn each_chunk_is_fetched_once_and_unlocked_after_its_fetch() {
+        assert_eq!(each_chunk_fetched_once_and_unlocked_after_its_fetch(1), 1);
+    }
+
+    #[test]
+    fn many_fetches_at_once_each_chunk_once_and_unlocked_after_it() {
+        let most = each_chunk_fetched_once_and_unlocked_after_its_fetch(4);
+        assert!((2..=4).contains(&most), "{most} fetches at once, 4 allowed");
+    }
+
+    #[test]
+    fn a_failed_fetch_among_many_leaves_its_chunk_to_the_read_path() {
+        let (src, _, _) = sealed_source(4, Some(3));
+        let n = 6;
+        let f = start(n * CHUNK, src, Priority::Demand);
+        for c in 0..n {
+            let mut out = vec![0u8; 4096];
+            assert_eq!(f.read(c * CHUNK + 7, &mut out).unwrap(), 4096);
+            expect(c * CHUNK + 7, &out);
+        }
+        assert!(f.wait_complete(Duration::from_secs(60)).is_none());
+        assert_eq!(f.progress(), Progress::Broken);
     }
 
     #[test]

@@ -1160,6 +1160,7 @@ mod tests {
             check: None,
             prefetch: None,
             fetch_is_dma: Box::new(|_, _| false),
+            fetch_ahead: 1,
         };
         let target = Target {
             file: tempfile::tempfile().unwrap(),

@@ -114,6 +114,17 @@ pub trait Object: Send + Sync {
     /// Fill `buf` with the bytes at `off`; fewer bytes than asked is an error.
     fn read_exact_at(&self, buf: &mut [u8], off: u64) -> Result<(), ReadError>;
 
+    /// As `read_exact_at`, for a caller that reads each range once and keeps the bytes
+    /// itself (a fill): a remote object reads whole parts straight into `buf`.
+    fn read_once_at(&self, buf: &mut [u8], off: u64) -> Result<(), ReadError> {
+        self.read_exact_at(buf, off)
+    }
+
+    /// How many `read_once_at` calls gain from running at once (many GETs in flight).
+    fn parallel_reads(&self) -> usize {
+        1
+    }
+
     /// `Err(ReadError::Changed)` when the file may no longer hold the bytes it held when
     /// opened (local: size, modification and change times; remote: its version).
     fn check_unchanged(&self) -> Result<(), ReadError>;

@@ -688,8 +688,26 @@ impl Remote {
 
     /// Start fetching part `idx` of `obj` on the runtime; the future resolves to its bytes.
     fn fetch(&self, live: &Live, obj: &RemoteObject, idx: u64) -> PartFuture {
+        let handle = live.runtime.spawn(self.job(live, obj, idx).run());
+        async move {
+            match handle.await {
+                Ok(r) => r,
+                Err(e) => Err(Fail::io(format!("fetch task failed ({e})"))),
+            }
+        }
+        .boxed()
+        .shared()
+    }
+
+    /// Whether part `idx` of object `id` is kept or in flight.
+    fn holds(&self, id: u64, idx: u64) -> bool {
+        self.parts.lock().lru.contains(&(id, idx))
+    }
+
+    /// The fetch of part `idx` of `obj`.
+    fn job(&self, live: &Live, obj: &RemoteObject, idx: u64) -> FetchJob {
         let range = obj.part_range(idx);
-        let job = FetchJob {
+        FetchJob {
             store: live.store.clone(),
             gets: self.gets.clone(),
             location: obj.meta.location.clone(),
@@ -705,16 +723,7 @@ impl Remote {
                 .node_cache
                 .clone()
                 .map(|c| (c, obj.cache_key(&self.name), idx)),
-        };
-        let handle = live.runtime.spawn(job.run());
-        async move {
-            match handle.await {
-                Ok(r) => r,
-                Err(e) => Err(Fail::io(format!("fetch task failed ({e})"))),
-            }
         }
-        .boxed()
-        .shared()
     }
 }
 
@@ -749,13 +758,12 @@ impl FetchJob {
             }
             Stats::add(&self.stats.node_cache_misses, 1);
         }
-        let got = PART_GETS
-            .scope(std::cell::Cell::new(0), self.get_checked())
-            .await;
-        if got.is_err() {
-            Stats::add(&self.stats.remote_get_failures, 1);
-        }
-        let bytes = got?;
+        let mut buf = self.buffers.take(want);
+        self.get_into(&mut buf).await?;
+        let bytes = Bytes::from_owner(PooledPart {
+            buf,
+            pool: Arc::downgrade(&self.buffers),
+        });
         if let Some((cache, key, idx)) = self.cache {
             let b = bytes.clone();
             // Kept before the part is handed out, so a daemon that ends soon after still
@@ -765,11 +773,22 @@ impl FetchJob {
         Ok(bytes)
     }
 
+    /// The part's bytes into `body` by GET (no node cache), its failure counted.
+    async fn get_into(&self, body: &mut impl Body) -> std::result::Result<(), Fail> {
+        let got = PART_GETS
+            .scope(std::cell::Cell::new(0), self.get_checked(body))
+            .await;
+        if got.is_err() {
+            Stats::add(&self.stats.remote_get_failures, 1);
+        }
+        got
+    }
+
     /// The GET, retried here when the body comes back short (object_store retries the
     /// request itself on 5xx, throttling, timeouts and resets), all within the timeout
     /// from when it may start (waiting behind other GETs does not count: they are bounded
     /// the same way).
-    async fn get_checked(&self) -> std::result::Result<Bytes, Fail> {
+    async fn get_checked(&self, body: &mut impl Body) -> std::result::Result<(), Fail> {
         let want = self.range.end - self.range.start;
         let mut attempt = 0u32;
         let mut deadline = None;
@@ -777,7 +796,8 @@ impl FetchJob {
             attempt += 1;
             let _permit = self.gets.acquire().await.map_err(Fail::io)?;
             let until = *deadline.get_or_insert_with(|| Instant::now() + self.timeout);
-            let Ok(got) = tokio::time::timeout_at(until.into(), self.get_once()).await else {
+            body.clear();
+            let Ok(got) = tokio::time::timeout_at(until.into(), self.get_once(body)).await else {
                 return Err(Fail::io(format!(
                     "{}: bytes {}..{} not had within {} s",
                     self.location,
@@ -787,14 +807,14 @@ impl FetchJob {
                 )));
             };
             match got {
-                Ok(b) if b.len() as u64 == want => return Ok(b),
-                Ok(b) => {
+                Ok(()) if body.len() as u64 == want => return Ok(()),
+                Ok(()) => {
                     log::warn!(
                         "{}: bytes {}..{}: {} of {want} bytes came back; asking again",
                         self.location,
                         self.range.start,
                         self.range.end,
-                        b.len()
+                        body.len()
                     );
                     if attempt >= 5 {
                         return Err(Fail::io(format!(
@@ -802,7 +822,7 @@ impl FetchJob {
                             self.location,
                             self.range.start,
                             self.range.end,
-                            b.len()
+                            body.len()
                         )));
                     }
                 }
@@ -817,7 +837,7 @@ impl FetchJob {
         }
     }
 
-    async fn get_once(&self) -> std::result::Result<Bytes, Fail> {
+    async fn get_once(&self, body: &mut impl Body) -> std::result::Result<(), Fail> {
         let opts = GetOptions {
             if_match: self.e_tag.clone(),
             version: self.version.clone(),
@@ -847,19 +867,62 @@ impl FetchJob {
                 self.location, self.range.start, self.range.end, r.range.start, r.range.end
             )));
         }
-        let mut buf = self
-            .buffers
-            .take((self.range.end - self.range.start) as usize);
-        let mut body = r.into_stream();
-        while let Some(chunk) = body.next().await {
+        let mut stream = r.into_stream();
+        while let Some(chunk) = stream.next().await {
             let chunk = chunk.map_err(|e| Fail::io(format!("{}: {e}", self.location)))?;
-            buf.extend_from_slice(&chunk);
+            body.put(&chunk)
+                .map_err(|why| Fail::io(format!("{}: {why}", self.location)))?;
         }
-        Stats::add(&self.stats.remote_bytes_fetched, buf.len() as u64);
-        Ok(Bytes::from_owner(PooledPart {
-            buf,
-            pool: Arc::downgrade(&self.buffers),
-        }))
+        Stats::add(&self.stats.remote_bytes_fetched, body.len() as u64);
+        Ok(())
+    }
+}
+
+/// Where a GET's body goes: a part buffer, or the caller's own memory.
+trait Body: Send {
+    fn clear(&mut self);
+    fn put(&mut self, bytes: &[u8]) -> std::result::Result<(), &'static str>;
+    fn len(&self) -> usize;
+}
+
+impl Body for Vec<u8> {
+    fn clear(&mut self) {
+        Vec::clear(self)
+    }
+
+    fn put(&mut self, bytes: &[u8]) -> std::result::Result<(), &'static str> {
+        self.extend_from_slice(bytes);
+        Ok(())
+    }
+
+    fn len(&self) -> usize {
+        Vec::len(self)
+    }
+}
+
+/// The caller's memory, written from its start.
+struct CallerMemory<'a> {
+    buf: &'a mut [u8],
+    at: usize,
+}
+
+impl Body for CallerMemory<'_> {
+    fn clear(&mut self) {
+        self.at = 0;
+    }
+
+    fn put(&mut self, bytes: &[u8]) -> std::result::Result<(), &'static str> {
+        let end = self.at + bytes.len();
+        self.buf
+            .get_mut(self.at..end)
+            .ok_or("the body is longer than the range asked for")?
+            .copy_from_slice(bytes);
+        self.at = end;
+        Ok(())
+    }
+
+    fn len(&self) -> usize {
+        self.at
     }
 }
 
@@ -934,6 +997,21 @@ impl RemoteObject {
         self.meta.last_modified.into()
     }
 
+    /// The end of `len` bytes at `off`, if within the object.
+    fn end_of(&self, off: u64, len: usize) -> std::result::Result<u64, ReadError> {
+        off.checked_add(len as u64)
+            .filter(|&e| e <= self.meta.size)
+            .ok_or_else(|| {
+                ReadError::Io(std::io::Error::new(
+                    std::io::ErrorKind::UnexpectedEof,
+                    format!(
+                        "{}: bytes {off}..+{len} are past its end ({})",
+                        self.shown, self.meta.size
+                    ),
+                ))
+            })
+    }
+
     fn fail(&self, f: &Fail, range: &Range<u64>) -> ReadError {
         if matches!(f, Fail::Changed) {
             if !self.changed.swap(true, Ordering::Relaxed) {
@@ -963,20 +1041,7 @@ impl Object for RemoteObject {
 
     fn read_exact_at(&self, buf: &mut [u8], off: u64) -> std::result::Result<(), ReadError> {
         self.check_unchanged()?;
-        let end = off
-            .checked_add(buf.len() as u64)
-            .filter(|&e| e <= self.meta.size)
-            .ok_or_else(|| {
-                ReadError::Io(std::io::Error::new(
-                    std::io::ErrorKind::UnexpectedEof,
-                    format!(
-                        "{}: bytes {off}..+{} are past its end ({})",
-                        self.shown,
-                        buf.len(),
-                        self.meta.size
-                    ),
-                ))
-            })?;
+        let end = self.end_of(off, buf.len())?;
         if buf.is_empty() {
             return Ok(());
         }
@@ -1030,6 +1095,52 @@ impl Object for RemoteObject {
                 .consumed(self.id, idx, hi - lo, range.end - range.start);
         }
         Ok(())
+    }
+
+    /// Whole parts straight into `buf` by their own GETs (or from the node cache), neither
+    /// kept nor read ahead: the caller (a fill) keeps the bytes and runs many such reads at
+    /// once. A part cut by the range's ends, or already kept, is read as `read_exact_at`
+    /// reads it.
+    fn read_once_at(&self, buf: &mut [u8], off: u64) -> std::result::Result<(), ReadError> {
+        self.check_unchanged()?;
+        let end = self.end_of(off, buf.len())?;
+        if buf.is_empty() {
+            return Ok(());
+        }
+        let p = self.remote.tuning.part_size;
+        let live = self
+            .remote
+            .live()
+            .map_err(|e| ReadError::Io(std::io::Error::other(format!("{}: {e}", self.shown))))?;
+        for idx in off / p..=(end - 1) / p {
+            let range = self.part_range(idx);
+            let (lo, hi) = (off.max(range.start), end.min(range.end));
+            let dst = &mut buf[(lo - off) as usize..(hi - off) as usize];
+            if lo != range.start || hi != range.end || self.remote.holds(self.id, idx) {
+                self.read_exact_at(dst, lo)?;
+                continue;
+            }
+            let job = self.remote.job(&live, self, idx);
+            if let Some((cache, key, _)) = &job.cache {
+                if let Some(bytes) = cache.get(key, idx, dst.len()) {
+                    Stats::add(&self.remote.stats.node_cache_hits, 1);
+                    dst.copy_from_slice(&bytes);
+                    continue;
+                }
+                Stats::add(&self.remote.stats.node_cache_misses, 1);
+            }
+            live.runtime
+                .block_on(job.get_into(&mut CallerMemory { buf: dst, at: 0 }))
+                .map_err(|f| self.fail(&f, &range))?;
+            if let Some((cache, key, _)) = &job.cache {
+                cache.put(key, idx, dst);
+            }
+        }
+        Ok(())
+    }
+
+    fn parallel_reads(&self) -> usize {
+        self.remote.tuning.in_flight.max(1)
     }
 
     fn check_unchanged(&self) -> std::result::Result<(), ReadError> {
@@ -1166,6 +1277,44 @@ mod tests {
     }
 
     #[test]
+    fn reads_once_go_straight_into_the_callers_memory_and_keep_nothing() {
+        let bytes: Vec<u8> = (0..10_000u32).map(|i| (i * 13 + i / 97) as u8).collect();
+        let (_, remote, obj) = one_object(&bytes, 1000);
+        let kept = || remote.parts.lock().lru.len();
+        // Whole parts, one or many: none kept, none read ahead.
+        for (off, len) in [(0, 1000), (1000, 3000), (9000, 1000), (0, 10_000)] {
+            let mut buf = vec![0u8; len];
+            obj.read_once_at(&mut buf, off as u64).unwrap();
+            assert!(buf == bytes[off..off + len], "bytes {off}..+{len}");
+            assert_eq!(kept(), 0, "after bytes {off}..+{len}");
+        }
+        // Parts cut by the range's ends come through the kept parts; the bytes are exact.
+        for (off, len) in [(500, 2000), (9999, 1), (1, 9998)] {
+            let mut buf = vec![0u8; len];
+            obj.read_once_at(&mut buf, off as u64).unwrap();
+            assert!(buf == bytes[off..off + len], "bytes {off}..+{len}");
+        }
+        let mut buf = vec![0u8; 2];
+        assert!(obj.read_once_at(&mut buf, 9999).is_err());
+    }
+
+    #[test]
+    fn a_read_once_of_a_replaced_object_fails() {
+        let bytes = vec![1u8; 4000];
+        let (mem, remote, obj) = one_object(&bytes, 1000);
+        replace(&remote, &mem, vec![2u8; 4000]);
+        let mut buf = vec![0u8; 1000];
+        assert!(matches!(
+            obj.read_once_at(&mut buf, 1000),
+            Err(ReadError::Changed)
+        ));
+        assert!(matches!(
+            obj.read_exact_at(&mut buf, 0),
+            Err(ReadError::Changed)
+        ));
+    }
+
+    #[test]
     fn a_replaced_object_is_never_served() {
         let bytes = vec![1u8; 4000];
         let (mem, remote, obj) = one_object(&bytes, 1000);
@@ -1231,6 +1380,18 @@ mod tests {
         };
         let mut buf = vec![0u8; bytes.len()];
 
+        // Reads once into an empty cache keep what they fetch there.
+        {
+            let once = Stats::new();
+            let (_remote, obj) = with_cache(&once);
+            obj.read_once_at(&mut buf, 0).unwrap();
+            assert_eq!(buf, bytes);
+            assert_eq!(count(&once), (4500, 0, 5, 0));
+            obj.read_exact_at(&mut buf, 0).unwrap();
+            assert_eq!(count(&once), (4500, 5, 5, 0));
+            std::fs::remove_dir_all(cache.path().join("kllm-parts-v1")).unwrap();
+        }
+
         // An empty cache: five parts looked for, fetched (4500 bytes), kept.
         let first = Stats::new();
         let (_remote, obj) = with_cache(&first);
@@ -1249,6 +1410,10 @@ mod tests {
         obj.read_exact_at(&mut buf, 0).unwrap();
         assert_eq!(buf, bytes);
         assert_eq!(count(&second), (0, 5, 0, 0));
+        // Reads once (a fill's) find the parts there too.
+        obj.read_once_at(&mut buf, 0).unwrap();
+        assert_eq!(buf, bytes);
+        assert_eq!(count(&second), (0, 10, 0, 0));
 
         // The object replaced in the store: a part not in memory or in the cache is asked
         // for, the store says the object changed, and that part is a failure (nothing fetched).
