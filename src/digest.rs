@@ -1,5 +1,7 @@
 //! SHA-256 of whole files, read by `pread` with reading and hashing overlapped: the hasher
-//! of the manifest check and of the view's check of a file on first use.
+//! of the manifest check and of the view's check of a file on first use. And a digest fed by
+//! whoever reads a file's bytes in order anyway (a fill of a remote file), so that its
+//! check does not read the file a second time.
 
 use std::fs::File;
 use std::io;
@@ -7,6 +9,7 @@ use std::os::unix::fs::FileExt;
 use std::path::Path;
 use std::sync::mpsc;
 
+use parking_lot::{Condvar, Mutex};
 use sha2::{Digest, Sha256};
 
 /// Reads per `pread`: large enough that the syscall cost vanishes next to hashing, small
@@ -25,6 +28,99 @@ pub fn open_regular(path: &Path) -> io::Result<File> {
         return Err(io::Error::other("not a regular file"));
     }
     Ok(file)
+}
+
+/// A file's SHA-256 being computed by a [`DigestFeeder`], for whoever waits for it.
+#[derive(Default)]
+pub struct DigestFeed {
+    state: Mutex<Feed>,
+    changed: Condvar,
+}
+
+#[derive(Default, Clone, Copy)]
+enum Feed {
+    #[default]
+    Pending,
+    Ready([u8; 32]),
+    GaveUp,
+}
+
+impl DigestFeed {
+    /// A feed and its only feeder, for a file of `len` bytes.
+    pub fn start(len: u64) -> (std::sync::Arc<DigestFeed>, DigestFeeder) {
+        let feed = std::sync::Arc::new(DigestFeed::default());
+        let feeder = DigestFeeder {
+            feed: feed.clone(),
+            hasher: Sha256::new(),
+            next: 0,
+            len,
+        };
+        (feed, feeder)
+    }
+
+    /// The digest once fed whole; `None` when the feeder gave up (the caller hashes the file
+    /// itself).
+    pub fn wait(&self) -> Option<[u8; 32]> {
+        let mut s = self.state.lock();
+        loop {
+            match *s {
+                Feed::Pending => self.changed.wait(&mut s),
+                Feed::Ready(d) => return Some(d),
+                Feed::GaveUp => return None,
+            }
+        }
+    }
+
+    /// Whether the feeder gave up.
+    pub fn gave_up(&self) -> bool {
+        matches!(*self.state.lock(), Feed::GaveUp)
+    }
+
+    fn end(&self, to: Feed) {
+        let mut s = self.state.lock();
+        if matches!(*s, Feed::Pending) {
+            *s = to;
+            self.changed.notify_all();
+        }
+    }
+}
+
+/// Hashes a file's bytes given in order from offset 0. Bytes given out of order, or a feeder
+/// dropped before the end, give up the feed: no waiter waits forever.
+pub struct DigestFeeder {
+    feed: std::sync::Arc<DigestFeed>,
+    hasher: Sha256,
+    next: u64,
+    len: u64,
+}
+
+impl DigestFeeder {
+    /// Hash `bytes`, the file's bytes at `off`; the digest is given once the last byte is.
+    /// False (and the feed given up) unless `off` is where the bytes before ended.
+    pub fn feed(&mut self, off: u64, bytes: &[u8]) -> bool {
+        if off != self.next || self.next >= self.len {
+            self.feed.end(Feed::GaveUp);
+            return false;
+        }
+        self.hasher.update(bytes);
+        self.next += bytes.len() as u64;
+        self.finish_if_whole();
+        true
+    }
+
+    /// Give the digest if every byte was fed (an empty file at once).
+    pub fn finish_if_whole(&mut self) {
+        if self.next == self.len {
+            let digest = std::mem::take(&mut self.hasher).finalize().into();
+            self.feed.end(Feed::Ready(digest));
+        }
+    }
+}
+
+impl Drop for DigestFeeder {
+    fn drop(&mut self) {
+        self.feed.end(Feed::GaveUp);
+    }
 }
 
 /// Reads `buf.len()` bytes at `offset`, or fewer at the end of the file.
@@ -108,6 +204,46 @@ pub fn sha256_file_counting(file: &File, on_bytes: &(dyn Fn(u64) + Sync)) -> io:
 mod tests {
     use super::*;
     use std::sync::atomic::{AtomicU64, Ordering};
+
+    #[test]
+    fn a_feed_gives_the_digest_of_bytes_fed_in_order() {
+        let (feed, mut feeder) = DigestFeed::start(6);
+        assert!(feeder.feed(0, b"ab"));
+        assert!(feeder.feed(2, b"cdef"));
+        let want: [u8; 32] = Sha256::digest(b"abcdef").into();
+        assert_eq!(feed.wait(), Some(want));
+        drop(feeder);
+        assert_eq!(feed.wait(), Some(want), "a finished feed stays given");
+
+        let (feed, mut feeder) = DigestFeed::start(0);
+        feeder.finish_if_whole();
+        assert_eq!(
+            feed.wait().map(hex::encode).as_deref(),
+            Some("e3b0c44298fc1c149afbf4c8996fb92427ae41e4649b934ca495991b7852b855")
+        );
+    }
+
+    #[test]
+    fn a_feed_is_given_up_out_of_order_or_when_its_feeder_goes() {
+        let (feed, mut feeder) = DigestFeed::start(6);
+        assert!(feeder.feed(0, b"ab"));
+        assert!(!feeder.feed(4, b"ef"), "a gap");
+        assert_eq!(feed.wait(), None);
+
+        let (feed, mut feeder) = DigestFeed::start(6);
+        assert!(feeder.feed(0, b"abc"));
+        feeder.finish_if_whole();
+        assert!(!feed.gave_up());
+        // A waiter on another thread is woken when the feeder goes half way.
+        let waiter = {
+            let feed = feed.clone();
+            std::thread::spawn(move || feed.wait())
+        };
+        std::thread::sleep(std::time::Duration::from_millis(20));
+        drop(feeder);
+        assert_eq!(waiter.join().unwrap(), None);
+        assert!(feed.gave_up());
+    }
 
     #[test]
     fn digest_of_known_files_across_the_double_buffered_path() {

@@ -85,6 +85,10 @@ pub struct Input {
     /// place, ahead of the unlock (a remote source: many GETs in flight). 1: the next chunk
     /// is fetched beside the unlock of the current one.
     pub fetch_ahead: usize,
+    /// With `fetch_ahead` > 1: fed each chunk's fetched (sealed) bytes in file order, so the
+    /// file's check need not read them again. Given up if chunks come out of order (they do
+    /// not before the verdict: no reader moves the decoder until then) or one fails.
+    pub digest: Option<crate::digest::DigestFeeder>,
 }
 
 /// A question about the sealed bytes of `[off, off + len)`.
@@ -156,6 +160,8 @@ struct Inner {
     file: Mutex<Option<File>>,
     seal: Mutex<Option<Box<SealFn>>>,
     source: Input,
+    /// `Input::digest`, taken out of the input: the dispatcher feeds it.
+    digest: Mutex<Option<crate::digest::DigestFeeder>>,
     state: Mutex<State>,
     changed: Condvar,
     /// Wakes the fetchers (a chunk queued, the fill over) and the dispatcher (a fetch in).
@@ -175,10 +181,11 @@ impl Fill {
     /// log lines.
     pub fn start(
         target: Target,
-        source: Input,
+        mut source: Input,
         priority: Priority,
         label: String,
     ) -> io::Result<Fill> {
+        let digest = Mutex::new(source.digest.take());
         let Target {
             file,
             len,
@@ -208,6 +215,7 @@ impl Fill {
             file: Mutex::new(Some(file)),
             seal: Mutex::new(Some(seal)),
             source,
+            digest,
             state: Mutex::new(State {
                 chunks: vec![Chunk::Pending; n],
                 cursor: 0,
@@ -319,6 +327,12 @@ impl Fill {
             (None, Some(o)) => o.parallel_reads().max(1),
             _ => 1,
         };
+        // Such a source's bytes are hashed as they come in; a local file is hashed by its
+        // own reads, beside the fill.
+        let digest = match fetch_ahead {
+            1 => None,
+            _ => view.digest_feeder(ino),
+        };
         let fetch = move |off: u64, buf: &mut [u8]| match (&local, &object) {
             (Some(r), _) => r.read(off, buf),
             (None, Some(o)) => o.read_once_at(buf, off).map_err(io::Error::from),
@@ -332,6 +346,7 @@ impl Fill {
             prefetch,
             fetch_is_dma,
             fetch_ahead,
+            digest,
         };
         let target = Target {
             file: memory.create()?,
@@ -543,6 +558,11 @@ impl Inner {
         } else {
             self.decode_in_turn(&mut failures)
         };
+        // The digest is given if every byte was fed (an empty file: none), else given up,
+        // before the verdict is asked for.
+        if let Some(mut feeder) = self.digest.lock().take() {
+            feeder.finish_if_whole();
+        }
         if finished {
             self.finish(failures);
         }
@@ -687,6 +707,16 @@ impl Inner {
                         Fetch::Failed(why) => Err(ReadError::Io(io::Error::other(why))),
                         other => unreachable!("chunk {i} fetched as {other:?}"),
                     };
+                }
+            }
+            {
+                let mut digest = self.digest.lock();
+                if let Some(feeder) = digest.as_mut() {
+                    // SAFETY: as below; read before the unlock turns the bytes into view bytes.
+                    let fed = result.is_ok() && feeder.feed(a, unsafe { self.chunk_mut(i) });
+                    if !fed {
+                        *digest = None;
+                    }
                 }
             }
             if result.is_ok() {
@@ -1051,6 +1081,7 @@ mod tests {
             prefetch,
             fetch_is_dma: Box::new(|_, _| false),
             fetch_ahead: 1,
+            digest: None,
         }
     }
 
@@ -1282,6 +1313,7 @@ mod tests {
             // With one fetch at a time, the chunk after the next is faulted in beside it.
             fetch_is_dma: Box::new(|_, _| true),
             fetch_ahead,
+            digest: None,
         };
         (src, fetches, most)
     }
@@ -1314,6 +1346,37 @@ mod tests {
     fn many_fetches_at_once_each_chunk_once_and_unlocked_after_it() {
         let most = each_chunk_fetched_once_and_unlocked_after_its_fetch(4);
         assert!((2..=4).contains(&most), "{most} fetches at once, 4 allowed");
+    }
+
+    #[test]
+    fn many_fetches_at_once_feed_the_sealed_bytes_digest_in_order() {
+        use sha2::Digest;
+        let n = 7;
+        let len = n * CHUNK - 1000;
+        let (mut src, _, most) = sealed_source(4, None);
+        let (feed, feeder) = crate::digest::DigestFeed::start(len);
+        src.digest = Some(feeder);
+        let f = start(len, src, Priority::Demand);
+        let m = f.wait_complete(Duration::from_secs(60)).expect("complete");
+        // The fetched bytes, before their unlock: the view bytes with 0x5a.
+        let sealed: Vec<u8> = (0..len).map(|i| byte(i) ^ 0x5a).collect();
+        let want: [u8; 32] = sha2::Sha256::digest(&sealed).into();
+        assert_eq!(feed.wait(), Some(want));
+        assert!(most.load(Ordering::SeqCst) >= 2);
+        let mut back = vec![0u8; 4096];
+        use std::os::unix::fs::FileExt;
+        m.file().read_exact_at(&mut back, len - 4096).unwrap();
+        expect(len - 4096, &back);
+    }
+
+    #[test]
+    fn a_failed_fetch_gives_up_the_digest() {
+        let (mut src, _, _) = sealed_source(4, Some(2));
+        let (feed, feeder) = crate::digest::DigestFeed::start(5 * CHUNK);
+        src.digest = Some(feeder);
+        let f = start(5 * CHUNK, src, Priority::Demand);
+        f.wait_done();
+        assert_eq!(feed.wait(), None);
     }
 
     #[test]

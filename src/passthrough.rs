@@ -1161,6 +1161,7 @@ mod tests {
             prefetch: None,
             fetch_is_dma: Box::new(|_, _| false),
             fetch_ahead: 1,
+            digest: None,
         };
         let target = Target {
             file: tempfile::tempfile().unwrap(),

@@ -48,6 +48,9 @@ pub struct Integrity {
     pub listed_as: String,
     pub want: [u8; 32],
     verdict: OnceLock<Result<(), String>>,
+    /// The digest a fill computes from the bytes it fetches, when it does (a remote file):
+    /// the verdict waits for it instead of reading the file again.
+    feed: parking_lot::Mutex<Option<Arc<crate::digest::DigestFeed>>>,
 }
 
 impl Integrity {
@@ -56,6 +59,7 @@ impl Integrity {
             listed_as,
             want,
             verdict: OnceLock::new(),
+            feed: parking_lot::Mutex::new(None),
         }
     }
 
@@ -227,8 +231,32 @@ impl View {
         })
     }
 
-    /// SHA-256 of the sealed file behind a node.
+    /// A feeder for the digest of file `ino`'s sealed bytes, for a fill that reads them all
+    /// in order anyway: its verdict, when first asked for, waits for that digest (or hashes
+    /// the file itself if the feeder gives up). `None` when the file has no manifest digest
+    /// or its verdict is in.
+    pub fn digest_feeder(&self, ino: Ino) -> Option<crate::digest::DigestFeeder> {
+        let node = self.node(ino)?;
+        let i = node.integrity.as_ref()?;
+        if i.verdict.get().is_some() {
+            return None;
+        }
+        let object = match &node.content {
+            Content::Shard { object, .. } | Content::Verbatim(object) => object,
+            Content::Memory(_) | Content::Dir(_) => return None,
+        };
+        let (feed, feeder) = crate::digest::DigestFeed::start(object.len());
+        *i.feed.lock() = Some(feed);
+        Some(feeder)
+    }
+
+    /// SHA-256 of the sealed file behind a node: fed by its fill when there is one that
+    /// hashes, else read here.
     fn hash(&self, node: &Node) -> std::io::Result<[u8; 32]> {
+        let fed = node.integrity.as_ref().and_then(|i| i.feed.lock().clone());
+        if let Some(digest) = fed.and_then(|f| f.wait()) {
+            return Ok(digest);
+        }
         match &node.content {
             Content::Verbatim(object) | Content::Shard { object, .. } => source::sha256(&**object),
             Content::Memory(_) | Content::Dir(_) => Err(std::io::Error::other(

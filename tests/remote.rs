@@ -185,6 +185,61 @@ fn every_fixture_from_s3_in_both_modes() {
 }
 
 #[test]
+fn a_verified_passthrough_load_downloads_each_file_once() {
+    // A fill of a remote file hashes the bytes it fetches for the manifest check, instead
+    // of the check reading the file again: one download of the model, not two.
+    let Some(server) = server_with_fixtures() else {
+        return;
+    };
+    let case = case("llm_v2");
+    let url = server.object_url(BUCKET, &format!("http/{}", case.name));
+    let m = Mnt::new();
+    mount_remote(&m, &url, &case, &["--mode", "passthrough"]);
+    assert_view(&case, &m, "http passthrough, checked", 30);
+    let st = status(&m);
+    let n = |k: &str| st[k].as_u64().unwrap_or_else(|| panic!("no {k} in {st}"));
+    let served: u64 = fs::read_dir(case.sealed())
+        .unwrap()
+        .map(|e| e.unwrap())
+        .filter(|e| e.file_name() != "kllm.key")
+        .map(|e| e.metadata().unwrap().len())
+        .sum();
+    assert!(n("verified_files") >= 5, "the shards were checked: {st}");
+    assert_eq!(n("failed_files"), 0, "{st}");
+    assert!(
+        n("remote_bytes_fetched") < served + served / 2,
+        "{} bytes fetched for {served} bytes of files: {st}",
+        n("remote_bytes_fetched")
+    );
+    drop(m);
+
+    // The digest fed by the fill is judged as any other: a shard that does not match its
+    // manifest digest fails with EIO, and its neighbours still read.
+    let keep = tempfile::tempdir().unwrap();
+    let bad = keep.path().join("bad-manifest.json");
+    let skip = ["kllm.key", "kllm-manifest.json"];
+    let mut doc: Value = serde_json::from_slice(&manifest_of(&case.sealed(), &skip)).unwrap();
+    doc["files"]["model-00002-of-00005.safetensors"] = Value::String("00".repeat(32));
+    fs::write(&bad, serde_json::to_vec(&doc).unwrap()).unwrap();
+    let m = Mnt::new();
+    mount_remote(
+        &m,
+        &url,
+        &case,
+        &["--manifest", bad.to_str().unwrap(), "--mode", "passthrough"],
+    );
+    assert_eq!(
+        errno_of(
+            fs::read(m.path("model-00002-of-00005.safetensors")),
+            "a shard not matching the manifest"
+        ),
+        EIO
+    );
+    let want = fs::read(case.view().join("model-00003-of-00005.safetensors")).unwrap();
+    assert!(fs::read(m.path("model-00003-of-00005.safetensors")).unwrap() == want);
+}
+
+#[test]
 fn every_fixture_over_http_with_a_manifest() {
     let Some(server) = server_with_fixtures() else {
         return;
