@@ -370,6 +370,11 @@ impl Fill {
         self.inner.state.lock().progress
     }
 
+    /// Bytes not yet decoded (whole chunks: at most `CHUNK - 1` more than exact).
+    pub fn left_bytes(&self) -> u64 {
+        (self.inner.state.lock().left as u64 * CHUNK).min(self.inner.len)
+    }
+
     /// The sealed read-only file, once complete.
     pub fn complete(&self) -> Option<Arc<MemoryFile>> {
         self.inner.state.lock().complete.clone()

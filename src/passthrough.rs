@@ -172,6 +172,10 @@ impl Default for Copies {
 /// within tens of milliseconds.
 pub const OPEN_WAIT: Duration = Duration::from_millis(10);
 
+/// A copy with more than this left to decode cannot be done within [`OPEN_WAIT`] (the cores
+/// decode 2-7 GB/s): its open is served through FUSE at once rather than after the wait.
+pub const NEAR_DONE: u64 = 2 * crate::fill::CHUNK;
+
 /// Every open answered in a mode the kernel accepts: the serving mode, the handles open,
 /// the decoded copies, and how a backing file is made. `B` is the kernel's backing handle;
 /// the adapter passes in the call that makes one from a file, so this runs without a
@@ -372,6 +376,7 @@ impl<B: Send + Sync + 'static> Opens<B> {
         let make = |m: &Arc<MemoryFile>| self.backing(ino, m.file(), Some(m.clone()), open_backing);
         let policy = OpenPolicy {
             wait: self.copies.open_wait,
+            near: NEAR_DONE,
         };
         self.table.open_copy(ino, &policy, start, make)
     }
@@ -580,6 +585,8 @@ pub struct OpenPolicy {
     /// How long an open waits for a copy still filling before it is served through FUSE
     /// from the part already decoded.
     pub wait: Duration,
+    /// The most a copy may have left to decode for an open to wait for it.
+    pub near: u64,
 }
 
 struct InodeOpens<B> {
@@ -761,7 +768,9 @@ impl<B> OpenTable<B> {
         let Some(fill) = state.fill.clone() else {
             return self.fuse(ino, &mut state);
         };
-        let complete = fill.complete().or_else(|| fill.wait_complete(policy.wait));
+        let complete = fill.complete().or_else(|| {
+            (fill.left_bytes() <= policy.near).then(|| fill.wait_complete(policy.wait))?
+        });
         match complete.and_then(|m| make(&m)) {
             Some(backing) => self.passthrough(ino, &mut state, backing),
             None => {
@@ -1175,6 +1184,7 @@ mod tests {
 
     const WAIT: OpenPolicy = OpenPolicy {
         wait: Duration::from_millis(20),
+        near: u64::MAX,
     };
 
     fn backed(live: &Arc<AtomicUsize>) -> impl FnOnce(&Arc<MemoryFile>) -> Option<Backing<Id>> {
@@ -1204,6 +1214,38 @@ mod tests {
         // Once complete, every open is passthrough.
         let f = t.open_copy(5, &WAIT, || panic!("decoded twice"), backed(&live));
         assert!(matches!(f, Opened::Passthrough { .. }));
+    }
+
+    #[test]
+    fn an_open_waits_only_for_a_copy_nearly_done() {
+        let t = OpenTable::new(Duration::from_secs(60));
+        let live = Arc::new(AtomicUsize::new(0));
+        let policy = OpenPolicy {
+            wait: Duration::from_secs(30),
+            near: NEAR_DONE,
+        };
+        // Far from done: served through FUSE at once, not after the wait.
+        let started = Instant::now();
+        let far = t.open_copy(
+            3,
+            &policy,
+            || Some(fill(20 * CHUNK, Duration::from_millis(50))),
+            backed(&live),
+        );
+        assert!(
+            started.elapsed() < Duration::from_secs(5),
+            "{:?}",
+            started.elapsed()
+        );
+        assert!(matches!(far, Opened::Fuse { fill: Some(_), .. }));
+        // Nearly done: waited for, and handed to the kernel.
+        let near = t.open_copy(
+            4,
+            &policy,
+            || Some(fill(NEAR_DONE, Duration::from_millis(50))),
+            backed(&live),
+        );
+        assert!(matches!(near, Opened::Passthrough { .. }));
     }
 
     #[test]
