@@ -117,21 +117,16 @@ class Paired:
         return out
 
 
-def engine_ratios(engine_rounds, cond, key):
-    """sealed / plain of transformers' `key` seconds, per engine round (lower is better)."""
-    return [r["transformers"][cond]["sealed"][key] / r["transformers"][cond]["plain"][key]
-            for r in engine_rounds]
+# The engines measured as one fresh process per load (engines.py): their record in an engine
+# round, and the name the report gives them.
+PROCESS_ENGINES = {"transformers": "transformers", "sglang_whole": "SGLang", "vllm": "vLLM-CPU"}
 
 
-def vllm_ratios(engine_rounds, cond, key):
-    return [r["vllm"][cond]["sealed"][key] / r["vllm"][cond]["plain"][key]
-            for r in engine_rounds if r.get("vllm")]
-
-
-def sglang_whole_ratios(engine_rounds, cond, key):
-    """sealed / plain of the fresh SGLang process's `key` seconds, per engine round."""
-    return [r["sglang_whole"][cond]["sealed"][key] / r["sglang_whole"][cond]["plain"][key]
-            for r in engine_rounds if r.get("sglang_whole")]
+def process_ratios(engine_rounds, engine, cond, key):
+    """sealed / plain of a fresh-process engine's `key` seconds, per engine round that has
+    it (lower is better)."""
+    return [r[engine][cond]["sealed"][key] / r[engine][cond]["plain"][key]
+            for r in engine_rounds if r.get(engine)]
 
 
 def sglang_ratios(engine_rounds, cond, variant):
@@ -247,19 +242,20 @@ class Report:
         if not er:
             w("| engine | transformers load, sealed / plain | <= 1.0x | not measured | - | | |")
             return
+        def row(engine, cond, key, figure, target, ok):
+            x, met = verdict(process_ratios(er, engine, cond, key), ok)
+            w(f"| engine | {figure} | {target} | {x} | {met} | | |")
+
         for cond in CONDITIONS:
             what = "true cold" if cond == "cold" else "files in the page cache"
-            x, ok = verdict(engine_ratios(er, cond, "load_s"), lambda v: v <= 1.0)
-            w(f"| engine | transformers `from_pretrained`, sealed / plain time, {what} | "
-              f"<= 1.0x | {x} | {ok} | | |")
-            x, ok = verdict(engine_ratios(er, cond, "whole_s"), lambda v: v <= 1.02)
-            w(f"| engine | whole process (kllm-mount started to model loaded), sealed / plain "
-              f"time, {what} | <= 1.02x | {x} | {ok} | | |")
+            row("transformers", cond, "load_s", "transformers `from_pretrained`, sealed / plain "
+                f"time, {what}", "<= 1.0x", lambda v: v <= 1.0)
+            row("transformers", cond, "whole_s", "whole process (kllm-mount started to model "
+                f"loaded), sealed / plain time, {what}", "<= 1.02x", lambda v: v <= 1.02)
             if cond == "cold":
                 # the import hides the mount's work: the sealed model should load sooner
-                x, ok = verdict(engine_ratios(er, cond, "whole_s"), lambda v: v < 1.0)
-                w(f"| engine | the sealed model loads faster than the plain one (whole "
-                  f"process, true cold) | < 1.0x | {x} | {ok} | | |")
+                row("transformers", cond, "whole_s", "the sealed model loads faster than the "
+                    "plain one (whole process, true cold)", "< 1.0x", lambda v: v < 1.0)
             if er[0].get("sglang"):
                 for v in SGLANG_VARIANTS:
                     x, ok = verdict(sglang_ratios(er, cond, v), lambda r: r <= 1.0)
@@ -267,12 +263,12 @@ class Report:
                       f"that imported SGLang before the mount, sealed / plain time, {what} | "
                       f"<= 1.0x | {x} | {ok} | | |")
             if er[0].get("sglang_whole"):
-                x, ok = verdict(sglang_whole_ratios(er, cond, "load_s"), lambda r: r <= 1.0)
-                w(f"| engine | SGLang as `--model-path` starts: its default iterator, sealed / "
-                  f"plain time, {what} | <= 1.0x | {x} | {ok} | | |")
-                x, ok = verdict(sglang_whole_ratios(er, cond, "whole_s"), lambda r: r <= 1.02)
-                w(f"| engine | SGLang whole process (kllm-mount started to weights iterated), "
-                  f"sealed / plain time, {what} | <= 1.02x | {x} | {ok} | | |")
+                row("sglang_whole", cond, "load_s", "SGLang as `--model-path` starts: its "
+                    f"default iterator, sealed / plain time, {what}", "<= 1.0x",
+                    lambda r: r <= 1.0)
+                row("sglang_whole", cond, "whole_s", "SGLang whole process (kllm-mount started "
+                    f"to weights iterated), sealed / plain time, {what}", "<= 1.02x",
+                    lambda r: r <= 1.02)
         if not er[0].get("vllm"):
             w("| engine | vLLM-CPU weight loading | <= 1.0x | not measured ("
               + self.b.engines.skipped.get("vllm", "?") + ") | - | | |")
@@ -281,9 +277,8 @@ class Report:
             what = "true cold" if cond == "cold" else "files in the page cache"
             for key, label, bound in (("weights_s", "weight loading (its log)", 1.0),
                                       ("whole_s", "whole process", 1.02)):
-                x, ok = verdict(vllm_ratios(er, cond, key), lambda v: v <= bound)
-                w(f"| engine | vLLM-CPU {label}, sealed / plain time, {what} | <= {bound}x | "
-                  f"{x} | {ok} | | |")
+                row("vllm", cond, key, f"vLLM-CPU {label}, sealed / plain time, {what}",
+                    f"<= {bound}x", lambda v: v <= bound)
 
     def other_targets(self):
         w, p, b, rounds = self.w, self.p, self.b, self.rounds
@@ -425,14 +420,17 @@ class Report:
         w("")
         w("| engine | condition | figure | plain | sealed | sealed / plain (paired) |")
         w("|---|---|---|---:|---:|---:|")
-        for cond in CONDITIONS:
-            for key, label in (("import_s", "import"), ("load_s", "from_pretrained"),
-                               ("touch_s", "every parameter read once"),
-                               ("whole_s", "whole process")):
-                cells = [fmt_med([r["transformers"][cond][m][key] for r in er], " s", 2)
+        def process_rows(engine, cond, figures):
+            for key, label in figures:
+                cells = [fmt_med([r[engine][cond][m][key] for r in er], " s", 2)
                          for m in MODELS]
-                w(f"| transformers | {cond} | {label} | " + " | ".join(cells) + " | "
-                  + fmt_ratio(engine_ratios(er, cond, key)) + " |")
+                w(f"| {PROCESS_ENGINES[engine]} | {cond} | {label} | " + " | ".join(cells)
+                  + " | " + fmt_ratio(process_ratios(er, engine, cond, key)) + " |")
+
+        for cond in CONDITIONS:
+            process_rows("transformers", cond, (
+                ("import_s", "import"), ("load_s", "from_pretrained"),
+                ("touch_s", "every parameter read once"), ("whole_s", "whole process")))
             if er[0].get("sglang"):
                 for v in SGLANG_VARIANTS:
                     cells = [fmt_med([r["sglang"][m][cond][v]["seconds"] for r in er], " s", 2)
@@ -440,21 +438,14 @@ class Report:
                     w(f"| SGLang | {cond} | iterator, {v} | " + " | ".join(cells) + " | "
                       + fmt_ratio(sglang_ratios(er, cond, v)) + " |")
             if er[0].get("sglang_whole"):
-                for key, label in (("import_s", "fresh process: import"),
-                                   ("load_s", "fresh process: default iterator"),
-                                   ("whole_s", "fresh process: whole")):
-                    cells = [fmt_med([r["sglang_whole"][cond][m][key] for r in er], " s", 2)
-                             for m in MODELS]
-                    w(f"| SGLang | {cond} | {label} | " + " | ".join(cells) + " | "
-                      + fmt_ratio(sglang_whole_ratios(er, cond, key)) + " |")
+                process_rows("sglang_whole", cond, (
+                    ("import_s", "fresh process: import"),
+                    ("load_s", "fresh process: default iterator"),
+                    ("whole_s", "fresh process: whole")))
             if er[0].get("vllm"):
-                for key, label in (("import_s", "import"), ("load_s", "LLM() in all"),
-                                   ("weights_s", "weight loading (its log)"),
-                                   ("whole_s", "whole process")):
-                    cells = [fmt_med([r["vllm"][cond][m][key] for r in er], " s", 2)
-                             for m in MODELS]
-                    w(f"| vLLM-CPU | {cond} | {label} | " + " | ".join(cells) + " | "
-                      + fmt_ratio(vllm_ratios(er, cond, key)) + " |")
+                process_rows("vllm", cond, (
+                    ("import_s", "import"), ("load_s", "LLM() in all"),
+                    ("weights_s", "weight loading (its log)"), ("whole_s", "whole process")))
         w("")
         for k, v in (eng.skipped or {}).items():
             w(f"{k}: not measured ({v}).")
