@@ -574,7 +574,7 @@ def main(argv=None) -> int:
                    help=f"comma-separated subset of {ROUTES}, or {CONTROL!r} (the sealed files "
                    "without the key: a control that must come out different)")
     r.add_argument("--loads", default=None, help=f"comma-separated subset of {LOADS}")
-    r.add_argument("--out", default=str(ROOT / "target" / "bench-gpu" / "results.md"))
+    r.add_argument("--out", default=str(TARGET / "bench-gpu" / "results.md"))
     r.add_argument("--keep", action="store_true", help="keep the run's scratch files")
     m = sub.add_parser("make", help="only write the random Qwen3-shaped checkpoint")
     m.add_argument("out")

@@ -596,7 +596,7 @@ def parse_args():
                     help="run the bench (and the daemons it starts) at this niceness, e.g. "
                          "-10 on a machine others load (default: unchanged)")
     ap.add_argument("--no-decode", action="store_true", help="skip cargo bench --bench decode")
-    ap.add_argument("--out", help="results file (default target/bench/results-<time>.md; "
+    ap.add_argument("--out", help="results file (default <cargo target dir>/bench/results-<time>.md; "
                                   "a .json of every value is written beside it)")
     ap.add_argument("--keep", action="store_true", help="keep the work directory")
     ap.add_argument("--skip-build", action="store_true", help="(handled by scripts/bench)")

@@ -271,7 +271,7 @@ def main():
     ap.add_argument("--fits", type=int, help="the limit that fits it (MiB; default: the shard + 512)")
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--out", help="also write the report (markdown) here, and a .json beside it")
-    ap.add_argument("--skip-build", action="store_true", help="use what target/release holds")
+    ap.add_argument("--skip-build", action="store_true", help="use what cargo's release output (target/release, or CARGO_TARGET_DIR/release) holds")
     ap.add_argument("--keep", action="store_true", help="keep the data directory")
     a = ap.parse_args()
     if os.geteuid() != 0:
