@@ -576,9 +576,7 @@ impl Inner {
     /// Every chunk, each fetched on this thread beside the unlock of the one before; false
     /// when the fill was cancelled.
     fn decode_in_turn(self: &Arc<Self>, failures: &mut usize) -> bool {
-        // Memory is allocated in file order up to the chunk decoded, so that the page size
-        // stays the step's even when a reader moves the decoder ahead.
-        let mut allocated = if self.step == 0 { self.len } else { 0 };
+        let mut allocated = self.allocated_at_start();
         let mut fetched = vec![false; self.state.lock().chunks.len()];
         loop {
             let (i, next, then, priority) = {
@@ -586,9 +584,7 @@ impl Inner {
                 if s.cancelled {
                     return false;
                 }
-                let Some(i) = s.next_chunk() else { break };
-                s.chunks[i] = Chunk::Busy;
-                s.cursor = i + 1;
+                let Some(i) = s.take_next_chunk() else { break };
                 self.changed.notify_all();
                 let next = s.peek_next();
                 // The chunk after the next, if readers leave the decoder in file order.
@@ -648,7 +644,7 @@ impl Inner {
     /// chunk decoded on (the chunk decoded first in the queue), each unlocked here once its
     /// fetch is in while the fetchers go on; false when the fill was cancelled.
     fn decode_fetched_ahead(self: &Arc<Self>, failures: &mut usize) -> bool {
-        let mut allocated = if self.step == 0 { self.len } else { 0 };
+        let mut allocated = self.allocated_at_start();
         let n = self.len.div_ceil(CHUNK) as usize;
         loop {
             let (i, priority, jobs) = {
@@ -656,9 +652,7 @@ impl Inner {
                 if s.cancelled {
                     return false;
                 }
-                let Some(i) = s.next_chunk() else { break };
-                s.chunks[i] = Chunk::Busy;
-                s.cursor = i + 1;
+                let Some(i) = s.take_next_chunk() else { break };
                 self.changed.notify_all();
                 let running = s
                     .fetches
@@ -826,6 +820,17 @@ impl Inner {
         self.fetch_moved.notify_all();
     }
 
+    /// How far the file's memory is allocated before the first chunk: memory is allocated
+    /// in file order up to the chunk decoded, so that the page size stays the step's even
+    /// when a reader moves the decoder ahead (a step of 0: allocated already).
+    fn allocated_at_start(&self) -> u64 {
+        if self.step == 0 {
+            self.len
+        } else {
+            0
+        }
+    }
+
     /// Allocate the file's memory in order up to `to`; `allocated` is how far it is.
     fn allocate(&self, allocated: &mut u64, to: u64) -> io::Result<()> {
         if *allocated >= to {
@@ -906,16 +911,25 @@ impl State {
             .or_else(|| (self.cursor..n).chain(0..self.cursor.min(n)).find(pending))
     }
 
-    fn next_chunk(&mut self) -> Option<usize> {
+    /// The chunk to decode next (wanted ones first, else in order from the cursor), marked
+    /// Busy with the cursor past it.
+    fn take_next_chunk(&mut self) -> Option<usize> {
+        let mut wanted = None;
         while let Some(w) = self.wanted.pop_front() {
             if self.chunks[w] == Chunk::Pending {
-                return Some(w);
+                wanted = Some(w);
+                break;
             }
         }
         let n = self.chunks.len();
-        (self.cursor..n)
-            .chain(0..self.cursor.min(n))
-            .find(|&i| self.chunks[i] == Chunk::Pending)
+        let i = wanted.or_else(|| {
+            (self.cursor..n)
+                .chain(0..self.cursor.min(n))
+                .find(|&i| self.chunks[i] == Chunk::Pending)
+        })?;
+        self.chunks[i] = Chunk::Busy;
+        self.cursor = i + 1;
+        Some(i)
     }
 }
 
