@@ -53,6 +53,17 @@ fn server_with_fixtures() -> Option<S3Server> {
     Some(server)
 }
 
+/// A manifest of `case`'s sealed files (its key left out) in which `wrong` has another
+/// digest, written into `dir`; its path.
+fn manifest_with_wrong_digest(case: &Case, wrong: &str, dir: &Path) -> std::path::PathBuf {
+    let skip = ["kllm.key", "kllm-manifest.json"];
+    let mut doc: Value = serde_json::from_slice(&manifest_of(&case.sealed(), &skip)).unwrap();
+    doc["files"][wrong] = Value::String("00".repeat(32));
+    let path = dir.join("bad-manifest.json");
+    fs::write(&path, serde_json::to_vec(&doc).unwrap()).unwrap();
+    path
+}
+
 /// `--key FILE` and the environment a case needs (its key inside the sealed folder, or in
 /// `KLLM_MODEL_KEY`, where its expect.json says so).
 fn key_setup(case: &Case) -> (Vec<OsString>, Vec<(&'static str, String)>) {
@@ -216,11 +227,7 @@ fn a_verified_passthrough_load_downloads_each_file_once() {
     // The digest fed by the fill is judged as any other: a shard that does not match its
     // manifest digest fails with EIO, and its neighbours still read.
     let keep = tempfile::tempdir().unwrap();
-    let bad = keep.path().join("bad-manifest.json");
-    let skip = ["kllm.key", "kllm-manifest.json"];
-    let mut doc: Value = serde_json::from_slice(&manifest_of(&case.sealed(), &skip)).unwrap();
-    doc["files"]["model-00002-of-00005.safetensors"] = Value::String("00".repeat(32));
-    fs::write(&bad, serde_json::to_vec(&doc).unwrap()).unwrap();
+    let bad = manifest_with_wrong_digest(&case, "model-00002-of-00005.safetensors", keep.path());
     let m = Mnt::new();
     mount_remote(
         &m,
@@ -279,12 +286,8 @@ fn every_fixture_over_http_with_a_manifest() {
     // The manifest is checked as for a local directory: one file that does not match fails
     // with EIO on open (--verify open), or refuses the mount (--verify mount).
     let keep = tempfile::tempdir().unwrap();
-    let bad = keep.path().join("bad-manifest.json");
+    let bad = manifest_with_wrong_digest(&case, "generation_config.json", keep.path());
     let m = Mnt::new();
-    let mut doc: Value =
-        serde_json::from_slice(&manifest_of(&case.sealed(), &["kllm.key"])).unwrap();
-    doc["files"]["generation_config.json"] = Value::String("00".repeat(32));
-    fs::write(&bad, serde_json::to_vec(&doc).unwrap()).unwrap();
     mount_remote(
         &m,
         &url,
