@@ -1006,11 +1006,23 @@ impl RemoteObject {
         dst: &mut [u8],
         lo: u64,
     ) -> std::result::Result<(), ReadError> {
-        let range = self.part_range(idx);
         let fut = self
             .remote
             .part(live, self, idx, false)
             .expect("a part a reader waits for is always fetched");
+        self.copy_from(live, idx, fut, dst, lo)
+    }
+
+    /// `dst.len()` bytes at `lo` from part `idx` once `fut` has it, counted as consumed.
+    fn copy_from(
+        &self,
+        live: &Live,
+        idx: u64,
+        fut: PartFuture,
+        dst: &mut [u8],
+        lo: u64,
+    ) -> std::result::Result<(), ReadError> {
+        let range = self.part_range(idx);
         let bytes = live
             .runtime
             .block_on(fut)
@@ -1021,6 +1033,13 @@ impl RemoteObject {
         self.remote
             .consumed(self.id, idx, dst.len() as u64, range.end - range.start);
         Ok(())
+    }
+
+    /// The source's runtime and client, made again if a fork stopped them.
+    fn live(&self) -> std::result::Result<Arc<Live>, ReadError> {
+        self.remote
+            .live()
+            .map_err(|e| ReadError::Io(std::io::Error::other(format!("{}: {e}", self.shown))))
     }
 
     /// The end of `len` bytes at `off`, if within the object.
@@ -1079,10 +1098,7 @@ impl Object for RemoteObject {
         let parts_total = self.meta.size.div_ceil(p);
         // Ask for the parts this read needs in order, a bounded number ahead of the one waited
         // for (so a huge read does not hold all its parts at once), then the window past it.
-        let live = self
-            .remote
-            .live()
-            .map_err(|e| ReadError::Io(std::io::Error::other(format!("{}: {e}", self.shown))))?;
+        let live = self.live()?;
         let lookahead = (t.in_flight as u64).max(1);
         let mut pending = std::collections::VecDeque::new();
         let mut next = first;
@@ -1108,17 +1124,14 @@ impl Object for RemoteObject {
                 break;
             };
             let range = self.part_range(idx);
-            let bytes = live
-                .runtime
-                .block_on(fut)
-                .map_err(|f| self.fail(&f, &range))?;
-            let lo = off.max(range.start);
-            let hi = end.min(range.end);
-            buf[(lo - off) as usize..(hi - off) as usize]
-                .copy_from_slice(&bytes[(lo - range.start) as usize..(hi - range.start) as usize]);
-            drop(bytes);
-            self.remote
-                .consumed(self.id, idx, hi - lo, range.end - range.start);
+            let (lo, hi) = (off.max(range.start), end.min(range.end));
+            self.copy_from(
+                &live,
+                idx,
+                fut,
+                &mut buf[(lo - off) as usize..(hi - off) as usize],
+                lo,
+            )?;
         }
         Ok(())
     }
@@ -1134,10 +1147,7 @@ impl Object for RemoteObject {
             return Ok(());
         }
         let p = self.remote.tuning.part_size;
-        let live = self
-            .remote
-            .live()
-            .map_err(|e| ReadError::Io(std::io::Error::other(format!("{}: {e}", self.shown))))?;
+        let live = self.live()?;
         for idx in off / p..=(end - 1) / p {
             let range = self.part_range(idx);
             let (lo, hi) = (off.max(range.start), end.min(range.end));
