@@ -16,6 +16,7 @@
 use std::time::{Duration, Instant};
 
 use kllm_mount::key::ModelKey;
+use kllm_mount::lock::stream::ChaCha;
 use kllm_mount::lock::{Codec, TensorLock, Version};
 use kllm_mount::testseal::{pseudo_random, sample_bf16};
 use safetensors::Dtype;
@@ -23,15 +24,6 @@ use safetensors::Dtype;
 type Aes256Ctr = ctr::Ctr128BE<aes::Aes256>;
 
 /// Raw key stream: `pos` is the stream byte offset, `buf` (zeroed) gets the stream.
-/// Each cipher's traits come from its own crate, so the bench builds whichever `cipher`
-/// generation chacha20 and aes are on.
-fn chacha_stream(key: &[u8; 32], pos: u64, buf: &mut [u8]) {
-    use chacha20::cipher::{KeyIvInit as _, StreamCipher as _, StreamCipherSeek as _};
-    let mut c = chacha20::ChaCha20::new(key.into(), &[0u8; 12].into());
-    c.seek(pos);
-    c.apply_keystream(buf);
-}
-
 fn aes_stream(key: &[u8; 32], pos: u64, buf: &mut [u8]) {
     use aes::cipher::{KeyIvInit as _, StreamCipher as _, StreamCipherSeek as _};
     let mut c = Aes256Ctr::new(key.into(), &[0u8; 16].into());
@@ -246,9 +238,24 @@ fn main() {
     println!("| key stream | GB/s of stream |");
     println!("|---|---:|");
     let mut buf = vec![0u8; BUF];
-    let chacha = measure(BUF, |i| {
-        chacha_stream(&stream_key, (i % 1024) * BUF as u64, &mut buf)
-    });
+    // Both ChaCha20 implementations (src/lock/stream.rs); the decoder uses `chosen`.
+    let chosen = ChaCha::chosen();
+    let mut chacha = 0.0;
+    for imp in [ChaCha::Crate, ChaCha::AwsLc] {
+        let rate = measure(BUF, |i| {
+            imp.fill(&stream_key, (i % 1024) * BUF as u64, &mut buf)
+        });
+        let used = if imp == chosen {
+            chacha = rate;
+            ", the decoder's here"
+        } else {
+            ""
+        };
+        println!(
+            "| ChaCha20 (lock v2), {}{used}, 1 MiB per call | {rate:.2} |",
+            imp.label()
+        );
+    }
     let aes = measure(BUF, |i| {
         aes_stream(&stream_key, (i % 1024) * BUF as u64, &mut buf)
     });
@@ -257,7 +264,7 @@ fn main() {
     let batch = 4096 * 4;
     let chacha_b = measure(BUF, |i| {
         for (k, part) in buf.chunks_mut(batch).enumerate() {
-            chacha_stream(
+            chosen.fill(
                 &stream_key,
                 (i % 1024) * BUF as u64 + (k * batch) as u64,
                 part,
@@ -273,8 +280,10 @@ fn main() {
             );
         }
     });
-    println!("| ChaCha20 (lock v2), 1 MiB per call | {chacha:.2} |");
-    println!("| ChaCha20, new cipher + seek per 16 KiB | {chacha_b:.2} |");
+    println!(
+        "| ChaCha20, {}, new cipher + seek per 16 KiB | {chacha_b:.2} |",
+        chosen.label()
+    );
     println!("| AES-256-CTR (lock v1), 1 MiB per call | {aes:.2} |");
     println!("| AES-256-CTR, new cipher + seek per 16 KiB | {aes_b:.2} |");
     println!();

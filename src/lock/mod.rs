@@ -8,7 +8,7 @@
 //! - [`document`]: the `kllm.lock` document a locked shard carries, and which codec each
 //!   entry gets;
 //! - [`codec`]: how values are read as codes, and the domains each kind allows;
-//! - `stream`: the key streams;
+//! - [`stream`]: the key streams;
 //! - `arith`: offsets and modular shifts;
 //! - `lanes`: the kernels, one generic loop per kind of code and instruction set.
 
@@ -16,7 +16,7 @@ mod arith;
 mod codec;
 pub mod document;
 mod lanes;
-mod stream;
+pub mod stream;
 
 pub use codec::Codec;
 pub use document::{LockEntry, LOCK_META};
