@@ -28,11 +28,14 @@ pub(super) fn fill(version: Version, key: &Secret, pos: u64, ks: &mut [u8]) {
 }
 
 fn aes_ctr(key: &[u8; 32], pos: u64, ks: &mut [u8]) {
-    // cipher 0.4 has no write_keystream: XOR into zeros.
-    ks.fill(0);
+    // cipher 0.4 has no write_keystream: the stream XORed onto zeros, read from `ZEROS`
+    // rather than written into `ks` first (one pass over the batch fewer).
     let mut c = Aes256Ctr::new(key.into(), &[0u8; 16].into());
     c.seek(pos);
-    c.apply_keystream(ks);
+    for piece in ks.chunks_mut(ZEROS_LEN) {
+        c.apply_keystream_b2b(&ZEROS[..piece.len()], piece)
+            .expect("input and output of one length");
+    }
 }
 
 /// An implementation of ChaCha20 (RFC 8439: 32-bit block counter from 0, zero nonce).
