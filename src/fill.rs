@@ -17,9 +17,10 @@
 //! never served from memory: a read that touches it decodes exactly its own range, which
 //! fails only if the range holds the bad bytes, and the fill never completes.
 //!
-//! Fills started ahead of any open (decode-ahead) run at low priority: a nice 19 thread
-//! pool and nice 19 helper threads. The first reader or open that waits for one raises it
-//! to the normal priority for the rest of the file.
+//! Fills started ahead of any open (decode-ahead) run in the background: a thread pool and
+//! helper threads under `SCHED_IDLE`, which take only the cycles no other thread wants. The
+//! first reader or open that waits for one raises it to the normal policy for the rest of
+//! the file.
 
 use std::collections::VecDeque;
 use std::fs::File;
@@ -39,8 +40,6 @@ pub const CHUNK: u64 = 8 << 20;
 /// How far ahead of the decoder the sealed bytes are asked for.
 const PREFETCH_WINDOW: u64 = 64 << 20;
 const PREFETCH_STEP: u64 = 16 << 20;
-/// The nice value of work done ahead of any open.
-const AHEAD_NICE: i32 = 19;
 
 /// Decoded bytes of the file at an offset, any range (the view's read path).
 pub type DecodeFn = dyn Fn(u64, &mut [u8]) -> Result<(), ReadError> + Send + Sync;
@@ -133,7 +132,7 @@ struct State {
     complete: Option<Arc<MemoryFile>>,
     /// Set when the last handle of the fill is dropped: its threads stop.
     cancelled: bool,
-    /// Threads working for this fill, reniced when it is urged.
+    /// Threads working for this fill, moved to the normal policy when it is urged.
     tids: Vec<libc::pid_t>,
     /// With `Input::fetch_ahead` > 1: each chunk's fetch, and the chunks queued for the
     /// fetchers, in the order they take them.
@@ -503,7 +502,7 @@ impl Drop for Fill {
     }
 }
 
-/// A thread working for a fill, reniced with it until the thread ends (a thread id is
+/// A thread working for a fill, moved with it until the thread ends (a thread id is
 /// reused once its thread is gone, so it must not stay on the list).
 struct Enlisted {
     inner: std::sync::Weak<Inner>,
@@ -526,7 +525,7 @@ impl Inner {
         if let Some(i) = inner.upgrade() {
             let mut s = i.state.lock();
             if s.priority == Priority::Ahead {
-                renice(tid, AHEAD_NICE);
+                run_in_background(tid, true);
             }
             s.tids.push(tid);
         }
@@ -540,7 +539,7 @@ impl Inner {
         if s.priority == Priority::Ahead {
             s.priority = Priority::Demand;
             for &tid in &s.tids {
-                renice(tid, 0);
+                run_in_background(tid, false);
             }
             log::debug!("{}: decode ahead urged by an open", self.label);
         }
@@ -1024,8 +1023,8 @@ impl SealedReader {
     }
 }
 
-/// The pool decode-ahead runs on: as many threads as cores, each at nice 19, so an engine
-/// starting up (and any reader) keeps the cores it needs.
+/// The pool decode-ahead runs on: as many threads as cores, each in the background, so an
+/// engine starting up (and any reader) keeps the cores it needs.
 fn ahead_pool() -> Option<&'static rayon::ThreadPool> {
     static POOL: OnceLock<Option<rayon::ThreadPool>> = OnceLock::new();
     POOL.get_or_init(|| {
@@ -1033,7 +1032,7 @@ fn ahead_pool() -> Option<&'static rayon::ThreadPool> {
             .thread_name(|i| format!("kllm-ahead-{i}"))
             .start_handler(|_| {
                 // SAFETY: gettid has no preconditions.
-                renice(unsafe { libc::gettid() }, AHEAD_NICE)
+                run_in_background(unsafe { libc::gettid() }, true)
             })
             .build()
             .map_err(|e| log::warn!("no decode-ahead pool ({e}); decoding ahead at full priority"))
@@ -1042,11 +1041,22 @@ fn ahead_pool() -> Option<&'static rayon::ThreadPool> {
     .as_ref()
 }
 
-fn renice(tid: libc::pid_t, nice: i32) {
-    // SAFETY: setpriority on one thread id; on Linux PRIO_PROCESS with a thread id affects
-    // that thread alone. Lowering the value again needs CAP_SYS_NICE, which passthrough's
-    // root has; without it the thread stays niced, which costs speed, not correctness.
-    unsafe { libc::setpriority(libc::PRIO_PROCESS, tid as libc::id_t, nice) };
+/// Put a thread under `SCHED_IDLE` (background) or back under the normal policy. Background
+/// rather than nice 19: a nice 19 thread still takes a share of a busy core, and an engine
+/// importing beside decode ahead on two cores took 1.09x its time alone at nice 19, 1.04x
+/// under `SCHED_IDLE` (docs/PERFORMANCE.md, "Engines").
+fn run_in_background(tid: libc::pid_t, background: bool) {
+    let policy = if background {
+        libc::SCHED_IDLE
+    } else {
+        libc::SCHED_OTHER
+    };
+    let param = libc::sched_param { sched_priority: 0 };
+    // SAFETY: sched_setscheduler on one thread id with a valid parameter; on Linux a thread
+    // id names that thread alone. Leaving SCHED_IDLE is allowed to a thread whose nice value
+    // its RLIMIT_NICE permits (ours stay at 0), and to root; if it fails the thread stays in
+    // the background, which costs speed, not correctness.
+    unsafe { libc::sched_setscheduler(tid, policy, &param) };
 }
 
 fn spawn(name: &str, f: impl FnOnce() + Send + 'static) -> io::Result<()> {
@@ -1271,6 +1281,41 @@ mod tests {
         let f = start(len, src, Priority::Ahead);
         assert!(f.wait_complete(Duration::from_secs(60)).is_some());
         assert!(asked.load(Ordering::SeqCst) as u64 >= PREFETCH_WINDOW.min(len));
+    }
+
+    /// Work started ahead runs under SCHED_IDLE, its pool threads too; urged, the fill's
+    /// threads move to the normal policy.
+    #[test]
+    fn ahead_work_runs_in_the_background_until_urged() {
+        let policies = |f: &Fill| -> Vec<i32> {
+            let tids = f.inner.state.lock().tids.clone();
+            // SAFETY: sched_getscheduler reads one thread's policy.
+            tids.iter()
+                .map(|&t| unsafe { libc::sched_getscheduler(t) })
+                .collect()
+        };
+        let slow = |off: u64, buf: &mut [u8]| {
+            std::thread::sleep(Duration::from_millis(20));
+            decode_ok(off, buf)
+        };
+        let f = start(100 * CHUNK, source(slow), Priority::Ahead);
+        std::thread::sleep(Duration::from_millis(50));
+        let before = policies(&f);
+        assert!(!before.is_empty(), "no thread works for the fill");
+        assert!(
+            before.iter().all(|&p| p == libc::SCHED_IDLE),
+            "ahead: {before:?}"
+        );
+        let pool = ahead_pool().expect("the decode-ahead pool");
+        // SAFETY: sched_getscheduler(0) reads the calling thread's policy.
+        let in_pool = pool.install(|| unsafe { libc::sched_getscheduler(0) });
+        assert_eq!(in_pool, libc::SCHED_IDLE);
+        f.urge();
+        let after = policies(&f);
+        assert!(
+            after.iter().all(|&p| p == libc::SCHED_OTHER),
+            "urged: {after:?}"
+        );
     }
 
     #[test]
