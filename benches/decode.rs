@@ -16,20 +16,10 @@
 use std::time::{Duration, Instant};
 
 use kllm_mount::key::ModelKey;
-use kllm_mount::lock::stream::ChaCha;
+use kllm_mount::lock::stream::{aes_ctr, ChaCha};
 use kllm_mount::lock::{Codec, TensorLock, Version};
 use kllm_mount::testseal::{pseudo_random, sample_bf16};
 use safetensors::Dtype;
-
-type Aes256Ctr = ctr::Ctr128BE<aes::Aes256>;
-
-/// Raw key stream: `pos` is the stream byte offset, `buf` (zeroed) gets the stream.
-fn aes_stream(key: &[u8; 32], pos: u64, buf: &mut [u8]) {
-    use aes::cipher::{KeyIvInit as _, StreamCipher as _, StreamCipherSeek as _};
-    let mut c = Aes256Ctr::new(key.into(), &[0u8; 16].into());
-    c.seek(pos);
-    c.apply_keystream(buf);
-}
 
 /// One block of the mount's cache.
 const BUF: usize = 1 << 20;
@@ -257,7 +247,7 @@ fn main() {
         );
     }
     let aes = measure(BUF, |i| {
-        aes_stream(&stream_key, (i % 1024) * BUF as u64, &mut buf)
+        aes_ctr(&stream_key, (i % 1024) * BUF as u64, &mut buf)
     });
     // A new cipher and a seek for every 4096 codes (16 KiB of stream), as a batched
     // decoder that keys per batch does.
@@ -273,7 +263,7 @@ fn main() {
     });
     let aes_b = measure(BUF, |i| {
         for (k, part) in buf.chunks_mut(batch).enumerate() {
-            aes_stream(
+            aes_ctr(
                 &stream_key,
                 (i % 1024) * BUF as u64 + (k * batch) as u64,
                 part,

@@ -1350,10 +1350,11 @@ mod tests {
                 libc::getpriority(libc::PRIO_PROCESS, tid as libc::id_t),
             )
         };
-        let (background, foreground) = match Background::chosen() {
-            Background::Idle => ((libc::SCHED_IDLE, 0), (libc::SCHED_OTHER, 0)),
-            Background::Nice => ((libc::SCHED_OTHER, 19), (libc::SCHED_OTHER, 0)),
+        let background = match Background::chosen() {
+            Background::Idle => (libc::SCHED_IDLE, 0),
+            Background::Nice => (libc::SCHED_OTHER, 19),
         };
+        let foreground = (libc::SCHED_OTHER, 0);
         // Root (CI) may leave SCHED_IDLE.
         // SAFETY: geteuid has no preconditions.
         if unsafe { libc::geteuid() } == 0 {

@@ -27,7 +27,9 @@ pub(super) fn fill(version: Version, key: &Secret, pos: u64, ks: &mut [u8]) {
     }
 }
 
-fn aes_ctr(key: &[u8; 32], pos: u64, ks: &mut [u8]) {
+/// Bytes `[pos, pos + ks.len())` of the AES-256-CTR stream keyed by `key` (lock v1: a
+/// 128-bit big-endian counter from 0) into `ks`.
+pub fn aes_ctr(key: &[u8; 32], pos: u64, ks: &mut [u8]) {
     // cipher 0.4 has no write_keystream: the stream XORed onto zeros, read from `ZEROS`
     // rather than written into `ks` first (one pass over the batch fewer).
     let mut c = Aes256Ctr::new(key.into(), &[0u8; 16].into());
