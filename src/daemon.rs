@@ -148,6 +148,12 @@ fn start_session(
         signal_hook::iterator::Signals::new([libc::SIGTERM, libc::SIGINT, libc::SIGHUP])
             .map_err(|e| Error::new(format!("cannot handle signals ({e})")))?;
     let cfg = fuse_config(&settings.source, &settings.fuse_options, settings.threads)?;
+    // rayon's global pool decodes large reads; unnamed, its threads would carry the name of
+    // the FUSE thread that first decoded (`fuser-1` in `top -H` and `perf`). Already built
+    // (a mount-time use came first), it keeps that name.
+    let _ = rayon::ThreadPoolBuilder::new()
+        .thread_name(|i| format!("kllm-decode-{i}"))
+        .build_global();
     let fs = KllmFs::new(view, mode, settings.copies.clone(), guard).on_destroy(Box::new(|| {
         log::info!("session ended; exiting");
         std::process::exit(0)

@@ -461,9 +461,10 @@ fn build(
         nodes: Vec::new(),
         children: Vec::new(),
     };
+    let mut headers = read_headers(seal, source, listing, key);
     // Shown folders by path: an entry is shown only under a shown folder.
     let mut dirs: HashMap<&Path, Ino> = HashMap::new();
-    for entry in &listing.entries {
+    for (i, entry) in listing.entries.iter().enumerate() {
         let path = entry.path.as_path();
         let Some(name) = path.file_name() else {
             let ino = b.add(ROOT, OsString::new(), entry.attr, Content::Dir(Vec::new()));
@@ -497,7 +498,10 @@ fn build(
                 Some(Integrity::new(listed_as, want))
             }
         };
-        let content = file_content(seal, key, source, entry)?;
+        let content = match headers.remove(&i) {
+            Some(read) => read?,
+            None => file_content(seal, key, source, entry)?,
+        };
         let ino = b.add(parent, name, entry.attr, content);
         b.nodes[ino as usize - 1].integrity = integrity;
     }
@@ -625,6 +629,54 @@ fn hidden(rel: &Path) -> bool {
             .is_some_and(|n| n == blob::FILE_NAME || n == SHIPPED_KEY || n == manifest::FILE_NAME)
 }
 
+/// The contents of the listing's shards by their index in it, their headers read by up to
+/// [`HEADER_READS`] threads at once: one at a time, a remote model waits a round trip per
+/// shard before it mounts. A shard that is not shown after all (outside the manifest, under
+/// a hidden folder) is read for nothing, and its error ignored.
+fn read_headers(
+    seal: &Seal,
+    source: &dyn Source,
+    listing: &Listing,
+    key: &ModelKey,
+) -> HashMap<usize, Result<Content>> {
+    let shards: Vec<(usize, &Entry)> = listing
+        .entries
+        .iter()
+        .enumerate()
+        .filter(|(_, e)| {
+            e.attr.kind == Kind::File && is_lockable(&e.content_path) && !hidden(&e.path)
+        })
+        .collect();
+    if shards.len() < 2 {
+        return HashMap::new();
+    }
+    let next = std::sync::atomic::AtomicUsize::new(0);
+    let read = parking_lot::Mutex::new(HashMap::new());
+    std::thread::scope(|s| {
+        for _ in 0..HEADER_READS.min(shards.len()) {
+            // A thread that cannot start leaves its shards to the caller's own reads.
+            let _ = std::thread::Builder::new()
+                .name("kllm-headers".into())
+                .spawn_scoped(s, || loop {
+                    let n = next.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+                    let Some(&(i, entry)) = shards.get(n) else {
+                        break;
+                    };
+                    let content = file_content(seal, key, source, entry);
+                    read.lock().insert(i, content);
+                });
+        }
+    });
+    read.into_inner()
+}
+
+/// Shard headers read at once at mount.
+const HEADER_READS: usize = 16;
+
+/// The bytes a mount reads at the start of each shard in one read: a header with a few
+/// hundred tensors fits.
+const HEADER_PREFIX: u64 = 64 << 10;
+
 /// What a listed file shows: a locked shard is decoded on read, anything else is shown as
 /// it is. Reads the header of every lockable shard.
 fn file_content(
@@ -643,7 +695,27 @@ fn file_content(
         .parent()
         .map(|p| p.to_string_lossy().into_owned())
         .unwrap_or_default();
-    let raw = |at: u64, buf: &mut [u8]| source::raw_read(&*object, at, buf);
+    // One small read brings the header (most fit in the prefix); any bytes past it come by
+    // small reads of their own. A shard no longer than the prefix is read as it will be
+    // read again, whole (a remote one then keeps it for the reads that follow).
+    let prefix = if object.len() <= HEADER_PREFIX {
+        Vec::new()
+    } else {
+        let mut prefix = vec![0u8; HEADER_PREFIX as usize];
+        object
+            .read_small_at(&mut prefix, 0)
+            .map_err(|e| Error::at(&shown, format!("cannot read ({e})")))?;
+        prefix
+    };
+    let raw = |at: u64, buf: &mut [u8]| {
+        let end = at as usize + buf.len();
+        match prefix.get(at as usize..end) {
+            Some(bytes) => buf.copy_from_slice(bytes),
+            None if prefix.is_empty() => object.read_exact_at(buf, at)?,
+            None => object.read_small_at(buf, at)?,
+        }
+        Ok(())
+    };
     let shard = Shard::read_header(&shown, object.len(), &raw, &shard_dir, key)?;
     if !shard.is_locked() {
         return Ok(Content::Verbatim(object));

@@ -825,3 +825,54 @@ fn the_key_sources_work_on_a_remote_source() {
     let err = assert_refused(&m, c, "no key");
     assert!(err.contains(&format!("s3://{BUCKET}/m/kllm.key")), "{err}");
 }
+
+#[test]
+fn a_mount_reads_only_the_headers_of_its_shards() {
+    // Each shard's header comes by one small GET, all shards at once: a mount that fetched
+    // a whole part per shard, one shard after another, would wait for a model's first
+    // parts before it answers.
+    let Some(server) = server_with_fixtures() else {
+        return;
+    };
+    let sample = Sample::new([7; 32], 256, 8, Some(kllm_mount::lock::Version::V2), |_| {});
+    server.put_tree(BUCKET, "big", &sample.sealed(), &[]);
+    let files = tree(&sample.sealed());
+    let shards: Vec<u64> = files
+        .iter()
+        .filter(|(rel, _)| rel.ends_with(".safetensors"))
+        .map(|(_, p)| fs::metadata(p).unwrap().len())
+        .collect();
+    let others: u64 = files
+        .iter()
+        .filter(|(rel, _)| !rel.ends_with(".safetensors"))
+        .map(|(_, p)| fs::metadata(p).unwrap().len())
+        .sum();
+    let prefix = 64u64 << 10;
+    assert!(
+        shards.iter().sum::<u64>() > 8 * prefix * shards.len() as u64,
+        "shards large enough to tell headers from whole parts: {shards:?}"
+    );
+
+    let m = Mnt::new();
+    let mut c = remote_cmd(&m, &format!("s3://{BUCKET}/big"));
+    c.args(["--endpoint-url", &server.endpoint()])
+        .args(["--key", sample.key_file().to_str().unwrap()])
+        .args(["--mode", "fuse", "--no-decode-ahead"]);
+    m.mount(c);
+    let st = status(&m);
+    let fetched = st["remote_bytes_fetched"].as_u64().unwrap();
+    let bound = others + prefix * shards.len() as u64;
+    assert!(
+        fetched <= bound,
+        "{fetched} bytes fetched at mount, more than {bound} (the small files and 64 KiB of \
+         each of {} shards): {st}",
+        shards.len()
+    );
+    for (rel, want) in sample.view() {
+        let got = fs::read(m.path(&rel)).unwrap();
+        assert!(
+            got == want,
+            "{rel}: the view differs after a header-only mount"
+        );
+    }
+}

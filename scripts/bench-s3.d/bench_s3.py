@@ -6,13 +6,16 @@ own limit and the usual ways to get a checkpoint out of a bucket. See docs/PERFO
 Systems (each reads the whole shard once, sequentially, 1 MiB at a time, cold):
   ranged-gets     parallel ranged GETs of the plain shard into memory (boto3, 16 MiB parts,
                   16 in flight): the server's limit on this machine
+  wire            the same GETs by curl into /dev/null (curl 7.75+ signs them): what the
+                  server and loopback give when no byte is kept, so no fresh memory is paid
   download-read   boto3 download_file of the plain shard to local disk, then read it
   kllm-fuse       kllm-mount s3://... --mode fuse, mount + read
   kllm-pt         kllm-mount s3://... --mode passthrough, mount + open (decode) + read
   kllm-s3fs       kllm-mount over an s3fs-fuse mount of the sealed prefix (when s3fs works)
   rclone          rclone mount of the bucket, the plain shard read (when rclone works)
 For kllm-mount also: time to the first byte (from the mount command's start) and the
-daemon's peak memory (VmHWM).
+daemon's peak memory (VmHWM). Each round runs the systems in turn, in reverse order every
+other round; the ratios are medians of ratios paired round by round.
 """
 
 import argparse
@@ -226,6 +229,34 @@ class Bench:
             t.join()
         return {"seconds": time.perf_counter() - t0}
 
+    def wire(self):
+        curl = shutil.which("curl")
+        if not curl:
+            return {"skipped": "curl not installed"}
+        part = 16 * MiB
+        url = f"{self.endpoint}/{BUCKET}/plain/model.safetensors"
+        cfg = []
+        for off in range(0, self.size, part):
+            end = min(off + part, self.size) - 1
+            if cfg:
+                cfg.append("next")
+            cfg += [f'url = "{url}"', f'range = "{off}-{end}"', 'output = "/dev/null"',
+                    'aws-sigv4 = "aws:amz:us-east-1:s3"', f'user = "{ACCESS}:{SECRET}"',
+                    'header = "x-amz-content-sha256: UNSIGNED-PAYLOAD"',
+                    'write-out = "%{http_code} %{size_download}\\n"']
+        path = os.path.join(self.work, "curl.cfg")
+        with open(path, "w") as f:
+            f.write("\n".join(cfg) + "\n")
+        t0 = time.perf_counter()
+        r = subprocess.run([curl, "-s", "--parallel", "--parallel-max", "16", "-K", path],
+                           capture_output=True, text=True)
+        dt = time.perf_counter() - t0
+        got = [line.split() for line in r.stdout.splitlines() if line.strip()]
+        if r.returncode != 0 or any(c != "206" for c, _ in got):
+            return {"skipped": f"curl failed ({r.returncode}): {r.stderr.strip()[:200]}"}
+        assert sum(int(n) for _, n in got) == self.size
+        return {"seconds": dt}
+
     def download_read(self):
         c = self.s3()
         dst = os.path.join(self.work, "downloaded.safetensors")
@@ -319,6 +350,7 @@ class Bench:
         source = f"s3://{BUCKET}/sealed"
         systems = [
             ("ranged-gets", self.ranged_gets),
+            ("wire", self.wire),
             ("download-read", self.download_read),
             ("kllm-fuse", lambda: self.kllm("fuse", source)),
             ("kllm-pt", lambda: self.kllm("passthrough", source)),
@@ -328,7 +360,7 @@ class Bench:
         results = {name: [] for name, _ in systems}
         try:
             for r in range(self.a.rounds):
-                for name, fn in systems:
+                for name, fn in (systems if r % 2 == 0 else systems[::-1]):
                     self.cold()
                     res = fn()
                     if "seconds" in res:
@@ -354,7 +386,6 @@ def report(results, size, a):
     lines = [f"# Remote source: one {size / MiB:.0f} MiB shard from {server} on 127.0.0.1",
              "", f"{a.rounds} rounds, medians; MiB/s over the whole shard (mount included).", "",
              "| system | MiB/s | s | first byte s | daemon peak MiB |", "|---|---|---|---|---|"]
-    med = {}
     for name, runs in results.items():
         if runs and all("skipped" in r for r in runs):
             why = " ".join(runs[0]["skipped"].split()).replace("|", "/")
@@ -362,17 +393,32 @@ def report(results, size, a):
             continue
         m = {k: median([r.get(k) for r in runs]) for k in
              ("mb_s", "seconds", "first_byte_s", "daemon_hwm_mib")}
-        med[name] = m
         f = lambda v, d=2: "" if v is None else f"{v:.{d}f}"  # noqa: E731
         lines.append(f"| {name} | {f(m['mb_s'], 0)} | {f(m['seconds'])} | "
                      f"{f(m['first_byte_s'], 3)} | {f(m['daemon_hwm_mib'], 0)} |")
     lines.append("")
+
+    def paired(a, b):
+        """Medians (min, max) of a's MiB/s over b's, round by round."""
+        rs = sorted(x["mb_s"] / y["mb_s"] for x, y in zip(results.get(a, []), results.get(b, []))
+                    if x.get("mb_s") and y.get("mb_s"))
+        return (rs[len(rs) // 2], rs[0], rs[-1]) if rs else None
+
+    def said(r, target):
+        if r is None:
+            return "not measured"
+        m, lo, hi = r
+        return f"{m:.2f}x ({lo:.2f}-{hi:.2f}; target >= {target}x, {'met' if m >= target else 'not met'})"
+
+    lines.append("Medians of ratios paired round by round (min-max):")
+    lines.append("")
     for mode in ("kllm-fuse", "kllm-pt"):
-        if mode in med and "ranged-gets" in med and "download-read" in med:
-            lines.append(f"- {mode}: {med[mode]['mb_s'] / med['ranged-gets']['mb_s']:.2f}x the "
-                         f"server's limit (target >= 0.8x), "
-                         f"{med[mode]['mb_s'] / med['download-read']['mb_s']:.2f}x "
-                         f"download-then-read (target >= 1.3x)")
+        lines.append(f"- {mode}: {said(paired(mode, 'ranged-gets'), 0.8)} the server's limit, "
+                     f"{said(paired(mode, 'download-read'), 1.3)} download-then-read")
+    w = paired("ranged-gets", "wire")
+    if w:
+        lines.append(f"- ranged-gets / wire: {w[0]:.2f}x ({w[1]:.2f}-{w[2]:.2f}): what keeping "
+                     "the bytes in fresh memory costs against sending them nowhere")
     return "\n".join(lines) + "\n"
 
 

@@ -30,7 +30,12 @@ pub fn open(url: &url::Url, settings: &RemoteSettings) -> Result<RemoteSource> {
     let b = HttpBuilder::new()
         // The store puts a `/` between its URL and each file's path.
         .with_url(&shown)
-        .with_client_options(client_options(&settings.tuning, url.scheme() == "http"))
+        // A plain `http://` server may still redirect to `https://` (a hub to its CDN).
+        .with_client_options(client_options(
+            &settings.tuning,
+            url.scheme() == "http",
+            true,
+        ))
         .with_retry(retry_config(&settings.tuning))
         .with_http_connector(counting_connector(&settings.stats));
     let connect = connect_with(&shown, "bad URL", move || b.clone().build());

@@ -120,6 +120,12 @@ pub trait Object: Send + Sync {
         self.read_exact_at(buf, off)
     }
 
+    /// As `read_exact_at`, for the few small reads of a mount (shard headers): a remote
+    /// object fetches just those bytes, where a read would fetch the whole part.
+    fn read_small_at(&self, buf: &mut [u8], off: u64) -> Result<(), ReadError> {
+        self.read_exact_at(buf, off)
+    }
+
     /// How many `read_once_at` calls gain from running at once (many GETs in flight).
     fn parallel_reads(&self) -> usize {
         1

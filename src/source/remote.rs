@@ -94,11 +94,14 @@ pub struct RemoteSettings {
 }
 
 /// The HTTP client's settings: each request bounded in time; plain `http://` only when the
-/// endpoint asks for it.
-pub(crate) fn client_options(tuning: &Tuning, allow_http: bool) -> ClientOptions {
+/// endpoint asks for it. Where `tls` is false no request can go over TLS, and the system's
+/// trust store is not loaded: that reads every file of /etc/ssl/certs, 30-50 ms of each
+/// mount from a cold page cache (paid twice, since the client is made again after the fork).
+pub(crate) fn client_options(tuning: &Tuning, allow_http: bool, tls: bool) -> ClientOptions {
     let request = tuning.timeout.min(Duration::from_secs(30));
     ClientOptions::new()
         .with_allow_http(allow_http)
+        .with_no_system_certificates(!tls)
         .with_timeout(request)
         .with_connect_timeout(request.min(Duration::from_secs(5)))
         .with_pool_max_idle_per_host(tuning.in_flight.max(1))
@@ -1175,6 +1178,69 @@ impl Object for RemoteObject {
         Ok(())
     }
 
+    /// By GETs of just the bytes asked for, kept nowhere: a mount reads each shard's
+    /// header this way, where a read would fetch (and keep) a whole part per shard before
+    /// the mount answers. The bytes of a part kept, in flight or in the node cache come
+    /// from there; each run of the others by one GET.
+    fn read_small_at(&self, buf: &mut [u8], off: u64) -> std::result::Result<(), ReadError> {
+        self.check_unchanged()?;
+        let end = self.end_of(off, buf.len())?;
+        if buf.is_empty() {
+            return Ok(());
+        }
+        let p = self.remote.tuning.part_size;
+        let live = self.live()?;
+        // The start of the bytes not had yet, fetched when a part that has them (or the
+        // end) comes.
+        let mut missing: Option<u64> = None;
+        let fetch = |from: u64, to: u64, buf: &mut [u8]| {
+            let mut job = self.remote.job(&live, self, from / p);
+            job.cache = None;
+            job.range = from..to;
+            let dst = &mut buf[(from - off) as usize..(to - off) as usize];
+            live.runtime
+                .block_on(job.get_into(&mut CallerMemory { buf: dst, at: 0 }))
+                .map_err(|f| self.fail(&f, &(from..to)))
+        };
+        for idx in off / p..=(end - 1) / p {
+            let part = self.part_range(idx);
+            let (lo, hi) = (off.max(part.start), end.min(part.end));
+            let dst = (lo - off) as usize..(hi - off) as usize;
+            let had = if self.remote.holds(self.id, idx) {
+                self.copy_from_part(&live, idx, &mut buf[dst], lo)?;
+                true
+            } else if let Some((cache, key, _)) = self.remote.job(&live, self, idx).cache {
+                let bytes = cache.get(&key, idx, (part.end - part.start) as usize);
+                Stats::add(
+                    if bytes.is_some() {
+                        &self.remote.stats.node_cache_hits
+                    } else {
+                        &self.remote.stats.node_cache_misses
+                    },
+                    1,
+                );
+                let at = (lo - part.start) as usize;
+                bytes
+                    .map(|b| buf[dst].copy_from_slice(&b[at..at + (hi - lo) as usize]))
+                    .is_some()
+            } else {
+                false
+            };
+            match (had, missing) {
+                (true, Some(from)) => {
+                    fetch(from, lo, buf)?;
+                    missing = None;
+                }
+                (false, None) => missing = Some(lo),
+                _ => {}
+            }
+        }
+        if let Some(from) = missing {
+            fetch(from, end, buf)?;
+        }
+        Ok(())
+    }
+
     fn parallel_reads(&self) -> usize {
         self.remote.tuning.in_flight.max(1)
     }
@@ -1274,6 +1340,34 @@ mod tests {
         assert_eq!(out, bytes);
         let mut past = vec![0u8; 2];
         assert!(obj.read_exact_at(&mut past, 9_999).is_err());
+    }
+
+    #[test]
+    fn small_reads_fetch_only_their_bytes_and_use_parts_held() {
+        let bytes: Vec<u8> = (0..10_000u32).map(|i| (i * 13 + i / 97) as u8).collect();
+        let (_, remote, obj) = one_object(&bytes, 1000);
+        let fetched = || remote.stats.remote_bytes_fetched.load(Ordering::Relaxed);
+        let kept = || remote.parts.lock().lru.len();
+        let mut buf = vec![0u8; 1500];
+        obj.read_small_at(&mut buf, 300).unwrap();
+        assert_eq!(buf, bytes[300..1800]);
+        assert_eq!(
+            fetched(),
+            1500,
+            "just the bytes asked for, not parts 0 and 1"
+        );
+        assert_eq!(kept(), 0, "nothing kept");
+        // Part 2 held: a small read across parts 1-3 takes part 2's bytes from it and fetches
+        // the runs on either side.
+        let mut part2 = vec![0u8; 10];
+        obj.read_exact_at(&mut part2, 2000).unwrap();
+        let before = fetched();
+        let mut buf = vec![0u8; 2200];
+        obj.read_small_at(&mut buf, 1400).unwrap();
+        assert_eq!(buf, bytes[1400..3600]);
+        assert_eq!(fetched() - before, 600 + 600, "parts 1 and 3's bytes only");
+        let mut past = vec![0u8; 2];
+        assert!(obj.read_small_at(&mut past, 9_999).is_err());
     }
 
     #[test]

@@ -74,8 +74,17 @@ pub fn open(url: &url::Url, settings: &RemoteSettings) -> Result<RemoteSource> {
     let plain_http = endpoint
         .as_deref()
         .is_some_and(|e| e.starts_with("http://"));
+    // With keys given, every request goes to the endpoint; other credentials may come over
+    // TLS (a web identity's exchange with STS, a container credentials URL).
+    let static_keys = b
+        .get_config_value(&AmazonS3ConfigKey::AccessKeyId)
+        .is_some();
     let b = b
-        .with_client_options(client_options(&settings.tuning, plain_http))
+        .with_client_options(client_options(
+            &settings.tuning,
+            plain_http,
+            !(plain_http && static_keys),
+        ))
         .with_retry(retry_config(&settings.tuning))
         .with_http_connector(counting_connector(&settings.stats));
     let connect = connect_with(&shown, "bad S3 settings", move || b.clone().build());
