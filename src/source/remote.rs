@@ -938,8 +938,17 @@ fn whole_seconds(t: SystemTime) -> u64 {
 /// prefetch window has grown.
 #[derive(Default)]
 struct Streams {
-    /// (next offset, window in parts), most recent last.
-    recent: Vec<(u64, u64)>,
+    /// Most recent last.
+    recent: Vec<Stream>,
+}
+
+struct Stream {
+    /// Where its next read starts.
+    next: u64,
+    /// Parts fetched ahead of it, at most.
+    window: u64,
+    /// Its last read waited for a part: the window was too narrow to hide the fetches.
+    waited: bool,
 }
 
 /// The number of sequential readers of one object followed at once (ranks, engines' loader
@@ -947,23 +956,39 @@ struct Streams {
 const STREAMS: usize = 8;
 
 impl Streams {
-    /// Note a read of `range`; how many parts past its end to fetch ahead.
+    /// Note a read of `range`; how many parts past its end to fetch ahead. A stream's window
+    /// doubles each time its reader had to wait for a part, and stays where it is while the
+    /// parts are there in time: a reader slower than the source (one that decodes each
+    /// read) keeps a few parts ahead, not the widest window, each part in flight a buffer
+    /// of fresh memory.
     fn note(&mut self, range: Range<u64>, part: u64, max_window: u64) -> u64 {
         // A read continuing a stream: near where the last one ended (readers may be a
         // little out of order).
         let near = |next: u64| range.start <= next + part && next <= range.start + part;
-        let window = match self.recent.iter().position(|&(next, _)| near(next)) {
+        let window = match self.recent.iter().position(|s| near(s.next)) {
             Some(i) => {
-                let (_, w) = self.recent.remove(i);
-                (w * 2).clamp(1, max_window)
+                let s = self.recent.remove(i);
+                let w = if s.waited { s.window * 2 } else { s.window };
+                w.clamp(1, max_window)
             }
             None => 0,
         };
-        self.recent.push((range.end, window.max(1)));
+        self.recent.push(Stream {
+            next: range.end,
+            window: window.max(1),
+            waited: false,
+        });
         if self.recent.len() > STREAMS {
             self.recent.remove(0);
         }
         window
+    }
+
+    /// The read that ended at `end` had to wait for a part.
+    fn waited(&mut self, end: u64) {
+        if let Some(s) = self.recent.iter_mut().rev().find(|s| s.next == end) {
+            s.waited = true;
+        }
     }
 }
 
@@ -1106,6 +1131,7 @@ impl Object for RemoteObject {
         let mut pending = std::collections::VecDeque::new();
         let mut next = first;
         let mut window_started = false;
+        let mut waited = false;
         loop {
             while next <= last && (pending.len() as u64) < lookahead {
                 let fut = self.remote.part(&live, self, next, false);
@@ -1126,6 +1152,7 @@ impl Object for RemoteObject {
             let Some((idx, fut)) = pending.pop_front() else {
                 break;
             };
+            waited |= fut.peek().is_none();
             let range = self.part_range(idx);
             let (lo, hi) = (off.max(range.start), end.min(range.end));
             self.copy_from(
@@ -1135,6 +1162,9 @@ impl Object for RemoteObject {
                 &mut buf[(lo - off) as usize..(hi - off) as usize],
                 lo,
             )?;
+        }
+        if waited {
+            self.streams.lock().waited(end);
         }
         Ok(())
     }
@@ -1581,17 +1611,30 @@ mod tests {
     }
 
     #[test]
-    fn windows_grow_only_for_sequential_readers() {
+    fn windows_grow_only_for_sequential_readers_that_wait() {
         let mut s = Streams::default();
         let p = 8;
-        assert_eq!(s.note(0..8, p, 16), 0);
-        assert_eq!(s.note(8..16, p, 16), 2);
-        assert_eq!(s.note(16..24, p, 16), 4);
+        // A reader that waits for its parts at each read.
+        let waiting = |s: &mut Streams, r: Range<u64>| {
+            let w = s.note(r.clone(), p, 16);
+            s.waited(r.end);
+            w
+        };
+        assert_eq!(waiting(&mut s, 0..8), 0);
+        assert_eq!(waiting(&mut s, 8..16), 2);
+        assert_eq!(waiting(&mut s, 16..24), 4);
         // Another reader elsewhere starts its own stream.
-        assert_eq!(s.note(1000..1008, p, 16), 0);
-        assert_eq!(s.note(24..32, p, 16), 8);
-        assert_eq!(s.note(32..40, p, 16), 16);
-        assert_eq!(s.note(40..48, p, 16), 16);
-        assert_eq!(s.note(1008..1016, p, 16), 2);
+        assert_eq!(waiting(&mut s, 1000..1008), 0);
+        assert_eq!(waiting(&mut s, 24..32), 8);
+        assert_eq!(waiting(&mut s, 32..40), 16);
+        assert_eq!(waiting(&mut s, 40..48), 16);
+        assert_eq!(waiting(&mut s, 1008..1016), 2);
+        // Its parts there in time, a stream keeps its window.
+        assert_eq!(s.note(48..56, p, 16), 16);
+        assert_eq!(s.note(1016..1024, p, 16), 4);
+        assert_eq!(s.note(1024..1032, p, 16), 4);
+        assert_eq!(s.note(1032..1040, p, 16), 4);
+        s.waited(1040);
+        assert_eq!(s.note(1040..1048, p, 16), 8);
     }
 }
