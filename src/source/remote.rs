@@ -7,8 +7,9 @@
 //! `ReadError::Changed` (EIO), as a rewritten local shard does. Parts are fetched on a tokio
 //! runtime the source owns; the caller (a FUSE worker, a rayon thread) blocks until the parts
 //! it needs are in. Many parts are in flight at once (bounded by [`Tuning::in_flight`]), and a
-//! read that continues where an earlier one ended widens that object's prefetch window (up to
-//! [`Tuning::max_window`] parts), so a sequential reader finds its next parts already there.
+//! read that continues where an earlier one ended, and had to wait for a part, widens that
+//! stream's prefetch window (up to [`Tuning::max_window`] parts), so a sequential reader finds
+//! its next parts already there.
 //! Fetched parts are kept in one LRU of [`Tuning::memory`] bytes shared by all objects.
 //!
 //! Failures: `object_store` retries 5xx, throttling, timeouts and resets with backoff; a body
@@ -95,8 +96,8 @@ pub struct RemoteSettings {
 
 /// The HTTP client's settings: each request bounded in time; plain `http://` only when the
 /// endpoint asks for it. Where `tls` is false no request can go over TLS, and the system's
-/// trust store is not loaded: that reads every file of /etc/ssl/certs, 30-50 ms of each
-/// mount from a cold page cache (paid twice, since the client is made again after the fork).
+/// trust store is not loaded: 30-50 ms of each mount from a cold page cache here (paid twice,
+/// since the client is made again after the fork).
 pub(crate) fn client_options(tuning: &Tuning, allow_http: bool, tls: bool) -> ClientOptions {
     let request = tuning.timeout.min(Duration::from_secs(30));
     ClientOptions::new()
