@@ -747,20 +747,29 @@ struct FetchJob {
     cache: Option<(Arc<NodeCache>, String, u64)>,
 }
 
+/// A node-cache lookup's answer, counted as a hit or a miss.
+fn counted_lookup(stats: &Stats, found: Option<Bytes>) -> Option<Bytes> {
+    let counter = if found.is_some() {
+        &stats.node_cache_hits
+    } else {
+        &stats.node_cache_misses
+    };
+    Stats::add(counter, 1);
+    found
+}
+
 impl FetchJob {
     async fn run(self) -> std::result::Result<Bytes, Fail> {
         let want = (self.range.end - self.range.start) as usize;
         if let Some((cache, key, idx)) = &self.cache {
             let (cache, key, idx) = (cache.clone(), key.clone(), *idx);
-            let hit = tokio::task::spawn_blocking(move || cache.get(&key, idx, want))
+            let found = tokio::task::spawn_blocking(move || cache.get(&key, idx, want))
                 .await
                 .ok()
                 .flatten();
-            if let Some(bytes) = hit {
-                Stats::add(&self.stats.node_cache_hits, 1);
+            if let Some(bytes) = counted_lookup(&self.stats, found) {
                 return Ok(bytes);
             }
-            Stats::add(&self.stats.node_cache_misses, 1);
         }
         let mut buf = self.buffers.take(want);
         self.get_into(&mut buf).await?;
@@ -1192,12 +1201,11 @@ impl Object for RemoteObject {
             }
             let job = self.remote.job(&live, self, idx);
             if let Some((cache, key, _)) = &job.cache {
-                if let Some(bytes) = cache.get(key, idx, dst.len()) {
-                    Stats::add(&self.remote.stats.node_cache_hits, 1);
+                let found = cache.get(key, idx, dst.len());
+                if let Some(bytes) = counted_lookup(&self.remote.stats, found) {
                     dst.copy_from_slice(&bytes);
                     continue;
                 }
-                Stats::add(&self.remote.stats.node_cache_misses, 1);
             }
             live.runtime
                 .block_on(job.get_into(&mut CallerMemory { buf: dst, at: 0 }))
@@ -1221,6 +1229,8 @@ impl Object for RemoteObject {
         }
         let p = self.remote.tuning.part_size;
         let live = self.live()?;
+        let cache =
+            (self.remote.node_cache.as_ref()).map(|c| (c, self.cache_key(&self.remote.name)));
         // The start of the bytes not had yet, fetched when a part that has them (or the
         // end) comes.
         let mut missing: Option<u64> = None;
@@ -1240,18 +1250,10 @@ impl Object for RemoteObject {
             let had = if self.remote.holds(self.id, idx) {
                 self.copy_from_part(&live, idx, &mut buf[dst], lo)?;
                 true
-            } else if let Some((cache, key, _)) = self.remote.job(&live, self, idx).cache {
-                let bytes = cache.get(&key, idx, (part.end - part.start) as usize);
-                Stats::add(
-                    if bytes.is_some() {
-                        &self.remote.stats.node_cache_hits
-                    } else {
-                        &self.remote.stats.node_cache_misses
-                    },
-                    1,
-                );
+            } else if let Some((cache, key)) = &cache {
+                let found = cache.get(key, idx, (part.end - part.start) as usize);
                 let at = (lo - part.start) as usize;
-                bytes
+                counted_lookup(&self.remote.stats, found)
                     .map(|b| buf[dst].copy_from_slice(&b[at..at + (hi - lo) as usize]))
                     .is_some()
             } else {
