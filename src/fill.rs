@@ -40,6 +40,11 @@ pub const CHUNK: u64 = 8 << 20;
 /// How far ahead of the decoder the sealed bytes are asked for.
 const PREFETCH_WINDOW: u64 = 64 << 20;
 const PREFETCH_STEP: u64 = 16 << 20;
+/// Chunk fetches a fill from a source of many parallel reads starts with, then doubled with
+/// each chunk decoded up to the source's `parallel_reads`. Few enough that the first chunk
+/// comes in soon over a link they share; each doubling costs one fetch's time where every
+/// connection has a bandwidth of its own (S3), about two fetch times per fill.
+const FIRST_FETCHES: usize = 4;
 
 /// Decoded bytes of the file at an offset, any range (the view's read path).
 pub type DecodeFn = dyn Fn(u64, &mut [u8]) -> Result<(), ReadError> + Send + Sync;
@@ -645,6 +650,10 @@ impl Inner {
     fn decode_fetched_ahead(self: &Arc<Self>, failures: &mut usize) -> bool {
         let mut allocated = self.allocated_at_start();
         let n = self.len.div_ceil(CHUNK) as usize;
+        // Fetches in flight start at a few and double with each chunk decoded: all of them
+        // at once would share the link evenly, so the first chunk, which the decode and the
+        // first reader wait for, would come in only with the last of them.
+        let mut ramp = FIRST_FETCHES;
         loop {
             let (i, priority, jobs) = {
                 let mut s = self.state.lock();
@@ -664,7 +673,12 @@ impl Inner {
                     .then_some(i)
                     .into_iter()
                     .collect();
-                let room = self.source.fetch_ahead.saturating_sub(running + jobs.len());
+                let room = self
+                    .source
+                    .fetch_ahead
+                    .min(ramp)
+                    .saturating_sub(running + jobs.len());
+                ramp = ramp.saturating_mul(2);
                 jobs.extend(
                     (i + 1..n)
                         .filter(|&j| s.chunks[j] == Chunk::Pending && s.fetches[j] == Fetch::Idle)
@@ -1476,6 +1490,53 @@ mod tests {
     fn many_fetches_at_once_each_chunk_once_and_unlocked_after_it() {
         let most = each_chunk_fetched_once_and_unlocked_after_its_fetch(4);
         assert!((2..=4).contains(&most), "{most} fetches at once, 4 allowed");
+    }
+
+    #[test]
+    fn fetches_start_few_and_grow_as_chunks_decode() {
+        let n = 24;
+        let started = Arc::new(AtomicUsize::new(0));
+        let started_by_first = Arc::new(AtomicUsize::new(0));
+        let (running, most) = (Arc::new(AtomicUsize::new(0)), Arc::new(AtomicUsize::new(0)));
+        let (s2, b2, r2, m2) = (
+            started.clone(),
+            started_by_first.clone(),
+            running.clone(),
+            most.clone(),
+        );
+        // The fetch brings view bytes; the unlock leaves them.
+        let mut src = with(|_, _| Ok(()), None, None);
+        src.decode = Box::new(decode_ok);
+        src.fetch = Box::new(move |off, buf: &mut [u8]| {
+            s2.fetch_add(1, Ordering::SeqCst);
+            m2.fetch_max(r2.fetch_add(1, Ordering::SeqCst) + 1, Ordering::SeqCst);
+            // The first chunk comes in last of those asked for with it, as it does when many
+            // GETs share a link.
+            std::thread::sleep(Duration::from_millis(if off == 0 { 60 } else { 10 }));
+            if off == 0 {
+                b2.store(s2.load(Ordering::SeqCst), Ordering::SeqCst);
+            }
+            r2.fetch_sub(1, Ordering::SeqCst);
+            decode_ok(off, buf).map_err(io::Error::from)
+        });
+        src.fetch_ahead = 16;
+        let f = start(n * CHUNK, src, Priority::Demand);
+        let m = f.wait_complete(Duration::from_secs(60)).expect("complete");
+        let mut all = vec![0u8; (n * CHUNK) as usize];
+        use std::os::unix::fs::FileExt;
+        m.file().read_exact_at(&mut all, 0).unwrap();
+        expect(0, &all);
+        assert_eq!(started.load(Ordering::SeqCst), n as usize);
+        let first = started_by_first.load(Ordering::SeqCst);
+        assert_eq!(
+            first, FIRST_FETCHES,
+            "fetches started before the first chunk came in"
+        );
+        let most = most.load(Ordering::SeqCst);
+        assert!(
+            most > FIRST_FETCHES,
+            "at most {most} fetches at once: the ramp did not grow"
+        );
     }
 
     #[test]
