@@ -1497,26 +1497,22 @@ mod tests {
         let n = 24;
         let started = Arc::new(AtomicUsize::new(0));
         let started_by_first = Arc::new(AtomicUsize::new(0));
-        let (running, most) = (Arc::new(AtomicUsize::new(0)), Arc::new(AtomicUsize::new(0)));
-        let (s2, b2, r2, m2) = (
-            started.clone(),
-            started_by_first.clone(),
-            running.clone(),
-            most.clone(),
-        );
+        let most = Arc::new(AtomicUsize::new(0));
+        let (s2, b2, m2) = (started.clone(), started_by_first.clone(), most.clone());
+        let running = AtomicUsize::new(0);
         // The fetch brings view bytes; the unlock leaves them.
         let mut src = with(|_, _| Ok(()), None, None);
         src.decode = Box::new(decode_ok);
         src.fetch = Box::new(move |off, buf: &mut [u8]| {
             s2.fetch_add(1, Ordering::SeqCst);
-            m2.fetch_max(r2.fetch_add(1, Ordering::SeqCst) + 1, Ordering::SeqCst);
+            m2.fetch_max(running.fetch_add(1, Ordering::SeqCst) + 1, Ordering::SeqCst);
             // The first chunk comes in last of those asked for with it, as it does when many
             // GETs share a link.
             std::thread::sleep(Duration::from_millis(if off == 0 { 60 } else { 10 }));
             if off == 0 {
                 b2.store(s2.load(Ordering::SeqCst), Ordering::SeqCst);
             }
-            r2.fetch_sub(1, Ordering::SeqCst);
+            running.fetch_sub(1, Ordering::SeqCst);
             decode_ok(off, buf).map_err(io::Error::from)
         });
         src.fetch_ahead = 16;

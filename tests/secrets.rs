@@ -455,21 +455,26 @@ fn memory_lock_refused_gives_a_warning_and_still_serves() {
 // Passphrase key files as Python hashes them (finding F6, pinned)
 // ---------------------------------------------------------------------------------------
 
+/// Each text, parsed, written back as Python 3 prints
+/// `json.dumps(json.loads(text), sort_keys=True)`.
+fn dumps_as_python(cases: &[(&str, &str)]) {
+    for (text, python) in cases {
+        let v: serde_json::Value = serde_json::from_str(text).unwrap();
+        assert_eq!(kllm_mount::pyjson::dumps_sorted(&v), *python, "{text}");
+    }
+}
+
 #[test]
 fn python_json_floats_match_python() {
-    // What Python 3 prints for json.dumps(json.loads(text), sort_keys=True): floats parsed
-    // exactly (serde_json's float_roundtrip), then written as Python's repr.
-    for (text, python) in [
+    // Floats parsed exactly (serde_json's float_roundtrip), then written as Python's repr.
+    dumps_as_python(&[
         ("[1.2345e+29]", "[1.2345e+29]"),
         (
             "[0.1, 2.5e-08, 1e+16, 123456789.125]",
             "[0.1, 2.5e-08, 1e+16, 123456789.125]",
         ),
         ("[2.2250738585072014e-308]", "[2.2250738585072014e-308]"),
-    ] {
-        let v: serde_json::Value = serde_json::from_str(text).unwrap();
-        assert_eq!(kllm_mount::pyjson::dumps_sorted(&v), python, "{text}");
-    }
+    ]);
 }
 
 #[test]
@@ -480,14 +485,11 @@ fn python_json_floats_match_python() {
             uses). A passphrase key file holding such a number is refused as a wrong \
             passphrase. Found by fuzz target seal_meta."]
 fn python_json_big_integers_match_python() {
-    for (text, python) in [
+    dumps_as_python(&[
         (
             "[123450000000000000000768276196]",
             "[123450000000000000000768276196]",
         ),
         ("[18446744073709551616]", "[18446744073709551616]"),
-    ] {
-        let v: serde_json::Value = serde_json::from_str(text).unwrap();
-        assert_eq!(kllm_mount::pyjson::dumps_sorted(&v), python, "{text}");
-    }
+    ]);
 }
