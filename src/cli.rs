@@ -4,7 +4,6 @@
 
 use std::io::Write;
 use std::path::{Path, PathBuf};
-use std::sync::Arc;
 
 use clap::{CommandFactory, Parser};
 
@@ -12,11 +11,11 @@ use crate::budget::{self, Budgets};
 use crate::daemon::{self, Served, Settings};
 use crate::key;
 use crate::limits::Limits;
-use crate::metrics::Stats;
 use crate::mounttab::{expand_options, Ours};
 use crate::passthrough::{Copies, Requested, ServeMode};
 use crate::sealed::{self, Options, Verify};
 use crate::source::Location;
+use crate::view::View;
 use crate::{Error, Result};
 
 #[derive(Parser, Debug)]
@@ -233,7 +232,11 @@ impl Args {
     }
 
     /// How a remote source is reached and bounded; it counts into `stats`.
-    pub fn remote_settings(&self, stats: Arc<Stats>) -> crate::source::remote::RemoteSettings {
+    #[cfg(feature = "remote")]
+    pub fn remote_settings(
+        &self,
+        stats: std::sync::Arc<crate::metrics::Stats>,
+    ) -> crate::source::remote::RemoteSettings {
         use crate::source::remote::{RemoteSettings, Tuning};
         RemoteSettings {
             endpoint_url: self.endpoint_url.clone(),
@@ -276,21 +279,7 @@ pub fn prepare(args: &Args, budgets: &Budgets) -> Result<Served> {
     };
     let location = Location::parse(args.sealed())?;
     let view = if location.is_remote() {
-        // The source first: a key shipped beside the sealed files comes from it.
-        let source = location.open(&args.remote_settings(opts.stats.clone()))?;
-        let shipped = || shipped_key(&*source);
-        let (model_key, key_source) = key::resolve_with_shipped(
-            args.key.as_deref(),
-            args.sealed(),
-            &shipped,
-            &key::passphrase_from_env_or_prompt,
-        )?;
-        // The client holds the credentials now; its threads stop while the environment is
-        // rewritten, and start again on the next request.
-        crate::source::remote::quiesce_for_fork();
-        scrub_env(&[key::KEY_ENV, key::PASSPHRASE_ENV]);
-        scrub_env(&crate::source::remote::SECRET_ENV);
-        sealed::open_source(&*source, &model_key, &key_source, &opts)?
+        open_remote(args, &location, &opts)?
     } else {
         // A wrong path is answered as such, not as a missing key (one is looked for in it).
         check_source(args.sealed())?;
@@ -307,6 +296,33 @@ pub fn prepare(args: &Args, budgets: &Budgets) -> Result<Served> {
     Ok(Served { view, mode })
 }
 
+/// The view of a remote source, its key resolved (one shipped beside the sealed files
+/// included) and the credentials taken out of the environment.
+#[cfg(feature = "remote")]
+fn open_remote(args: &Args, location: &Location, opts: &Options) -> Result<View> {
+    // The source first: a key shipped beside the sealed files comes from it.
+    let source = location.open(&args.remote_settings(opts.stats.clone()))?;
+    let shipped = || shipped_key(&*source);
+    let (model_key, key_source) = key::resolve_with_shipped(
+        args.key.as_deref(),
+        args.sealed(),
+        &shipped,
+        &key::passphrase_from_env_or_prompt,
+    )?;
+    // The client holds the credentials now; its threads stop while the environment is
+    // rewritten, and start again on the next request.
+    crate::source::remote::quiesce_for_fork();
+    scrub_env(&[key::KEY_ENV, key::PASSPHRASE_ENV]);
+    scrub_env(&crate::source::remote::SECRET_ENV);
+    sealed::open_source(&*source, &model_key, &key_source, opts)
+}
+
+#[cfg(not(feature = "remote"))]
+fn open_remote(args: &Args, _: &Location, _: &Options) -> Result<View> {
+    // Not reached: without the feature, `Location::parse` refuses every URL.
+    Err(Error::at(args.sealed(), "not a local directory"))
+}
+
 /// The sealed directory exists and is one this mount can serve.
 fn check_source(sealed: &Path) -> Result<()> {
     match std::fs::metadata(sealed) {
@@ -319,6 +335,7 @@ fn check_source(sealed: &Path) -> Result<()> {
 }
 
 /// `kllm.key` of a remote source, when it has one.
+#[cfg(feature = "remote")]
 fn shipped_key(source: &dyn crate::source::Source) -> Result<Option<zeroize::Zeroizing<String>>> {
     let rel = Path::new(key::SHIPPED_KEY);
     let Ok(object) = source.open(rel) else {

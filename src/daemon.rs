@@ -346,6 +346,7 @@ fn detach(mountpoint: &Path) -> std::io::Result<()> {
 /// answers, or with the daemon's error. No thread exists then (a remote source's I/O
 /// threads are stopped first, and started again on their next use), so forking is safe.
 pub fn daemonize(settings: &Settings, served: Served) -> Result<()> {
+    #[cfg(feature = "remote")]
     crate::source::remote::quiesce_for_fork();
     let mut fds = [0i32; 2];
     // SAFETY: pipe2 fills two descriptors we then own.

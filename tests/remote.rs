@@ -8,6 +8,7 @@
 //!
 //! Needs moto_server (tests/common/s3server.rs says where it is looked for): without it each
 //! test skips with a message, except under CI, where it fails.
+#![cfg(feature = "remote")]
 
 mod common;
 

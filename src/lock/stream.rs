@@ -11,6 +11,7 @@
 use std::sync::OnceLock;
 
 use aes::cipher::{KeyIvInit, StreamCipher, StreamCipherSeek};
+#[cfg(feature = "aws-lc")]
 use zeroize::Zeroize;
 
 use super::Version;
@@ -46,6 +47,7 @@ pub enum ChaCha {
     /// The RustCrypto `chacha20` crate (AVX-512, AVX2 or SSE2, picked at run time).
     Crate,
     /// AWS-LC's `CRYPTO_chacha_20` (AVX2 8 blocks at a time, SSSE3, or plain code).
+    #[cfg(feature = "aws-lc")]
     AwsLc,
 }
 
@@ -54,17 +56,18 @@ impl ChaCha {
     pub fn chosen() -> ChaCha {
         static CHOSEN: OnceLock<ChaCha> = OnceLock::new();
         *CHOSEN.get_or_init(|| {
-            if has_avx512() {
-                ChaCha::Crate
-            } else {
-                ChaCha::AwsLc
+            #[cfg(feature = "aws-lc")]
+            if !has_avx512() {
+                return ChaCha::AwsLc;
             }
+            ChaCha::Crate
         })
     }
 
     pub fn label(self) -> &'static str {
         match self {
             ChaCha::Crate => "chacha20 crate",
+            #[cfg(feature = "aws-lc")]
             ChaCha::AwsLc => "AWS-LC",
         }
     }
@@ -78,11 +81,13 @@ impl ChaCha {
                 c.seek(pos);
                 c.write_keystream(ks);
             }
+            #[cfg(feature = "aws-lc")]
             ChaCha::AwsLc => aws_lc_chacha(key, pos, ks),
         }
     }
 }
 
+#[cfg(feature = "aws-lc")]
 fn has_avx512() -> bool {
     #[cfg(target_arch = "x86_64")]
     {
@@ -95,12 +100,14 @@ fn has_avx512() -> bool {
     }
 }
 
+#[cfg(feature = "aws-lc")]
 const BLOCK: usize = 64;
-/// AWS-LC only XORs its stream into an input: this many zeros serve as the input of any
-/// call (a batch's stream is at most 32 KiB).
+/// AES-CTR and AWS-LC only XOR their stream into an input: this many zeros serve as the
+/// input of any call (a batch's stream is at most 32 KiB).
 const ZEROS_LEN: usize = 64 << 10;
 static ZEROS: [u8; ZEROS_LEN] = [0; ZEROS_LEN];
 
+#[cfg(feature = "aws-lc")]
 fn aws_lc_chacha(key: &[u8; 32], pos: u64, ks: &mut [u8]) {
     const NONCE: [u8; 12] = [0; 12];
     let chacha = |out: &mut [u8], block: u64| {
@@ -154,7 +161,11 @@ mod tests {
              8eca00bbb4a73bdad192b5c42f73f2fd4e273644c8b36125a64addeb006c13a0",
         )
         .expect("hex");
-        for imp in [ChaCha::Crate, ChaCha::AwsLc] {
+        #[cfg(feature = "aws-lc")]
+        let all = [ChaCha::Crate, ChaCha::AwsLc];
+        #[cfg(not(feature = "aws-lc"))]
+        let all = [ChaCha::Crate];
+        for imp in all {
             let mut ks = [0u8; 64];
             imp.fill(&key, 64, &mut ks);
             assert_eq!(ks.to_vec(), expected, "{}", imp.label());
@@ -163,6 +174,7 @@ mod tests {
 
     /// Any position and length, across block and zero-buffer boundaries, gives the same
     /// bytes from both implementations.
+    #[cfg(feature = "aws-lc")]
     #[test]
     fn both_implementations_agree_at_any_position() {
         let mut rng = crate::testkit::SplitMix(11);

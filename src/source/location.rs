@@ -2,17 +2,19 @@
 //! `http(s)://HOST/PATH/`; and opening the source it names.
 
 use std::path::{Path, PathBuf};
+#[cfg(feature = "remote")]
 use std::sync::Arc;
 
-use super::local::LocalDir;
-use super::remote::RemoteSettings;
-use super::Source;
+#[cfg(feature = "remote")]
+use super::{local::LocalDir, remote::RemoteSettings, Source};
 use crate::{Error, Result};
 
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum Location {
     Local(PathBuf),
+    #[cfg(feature = "remote")]
     S3(url::Url),
+    #[cfg(feature = "remote")]
     Http(url::Url),
 }
 
@@ -22,11 +24,31 @@ impl Location {
             return Ok(Location::Local(sealed.to_path_buf()));
         };
         let scheme = text.split_once("://").map(|(s, _)| s.to_ascii_lowercase());
-        let remote = match scheme.as_deref() {
+        let s3 = match scheme.as_deref() {
             Some("s3") => true,
             Some("http" | "https") => false,
             _ => return Ok(Location::Local(sealed.to_path_buf())),
         };
+        Self::parse_url(text, s3)
+    }
+
+    #[cfg(not(feature = "remote"))]
+    fn parse_url(text: &str, _s3: bool) -> Result<Location> {
+        // Named without what comes before an `@`: it may hold credentials.
+        let (scheme, rest) = text.split_once("://").unwrap_or(("", text));
+        let shown = format!(
+            "{scheme}://{}",
+            rest.split_once('@').map_or(rest, |(_, r)| r)
+        );
+        Err(Error::at(
+            Path::new(&shown),
+            "this build of kllm-mount reads local directories only \
+             (object storage and HTTP are its cargo feature `remote`)",
+        ))
+    }
+
+    #[cfg(feature = "remote")]
+    fn parse_url(text: &str, s3: bool) -> Result<Location> {
         // Never repeat a URL that may hold credentials: name it without them.
         let bare = |u: &url::Url| {
             let mut u = u.clone();
@@ -55,7 +77,7 @@ impl Location {
                 "a query or fragment in the URL is not taken (it may hold a token)",
             ));
         }
-        Ok(if remote {
+        Ok(if s3 {
             Location::S3(url)
         } else {
             Location::Http(url)
@@ -63,10 +85,14 @@ impl Location {
     }
 
     pub fn is_remote(&self) -> bool {
-        !matches!(self, Location::Local(_))
+        #[cfg(feature = "remote")]
+        return !matches!(self, Location::Local(_));
+        #[cfg(not(feature = "remote"))]
+        false
     }
 
     /// The source it names, listed and ready to open files.
+    #[cfg(feature = "remote")]
     pub fn open(&self, settings: &RemoteSettings) -> Result<Arc<dyn Source>> {
         Ok(match self {
             Location::Local(dir) => Arc::new(LocalDir::new(dir)?),
@@ -80,6 +106,24 @@ impl Location {
 mod tests {
     use super::*;
 
+    #[cfg(not(feature = "remote"))]
+    #[test]
+    fn urls_are_refused_by_a_build_without_remote_sources() {
+        let e = Location::parse(Path::new("s3://user:secret@bucket/model"))
+            .unwrap_err()
+            .to_string();
+        assert!(
+            e.contains("s3://bucket/model") && e.contains("`remote`"),
+            "{e}"
+        );
+        assert!(!e.contains("secret"), "{e}");
+        assert_eq!(
+            Location::parse(Path::new("/srv/model")).unwrap(),
+            Location::Local("/srv/model".into())
+        );
+    }
+
+    #[cfg(feature = "remote")]
     #[test]
     fn urls_and_paths() {
         let p = |s: &str| Location::parse(Path::new(s));

@@ -16,13 +16,20 @@
 //!   retries, version checks), with the optional [`node_cache`] on local disk; [`profile`]
 //!   reads `AWS_PROFILE`.
 //! - [`location`]: `<SEALED>` on the command line (a path or a URL) and the source it names.
+//!
+//! The remote sources are the cargo feature `remote` (on by default).
 
+#[cfg(feature = "remote")]
 pub mod http;
 pub mod local;
 pub mod location;
+#[cfg(feature = "remote")]
 pub mod node_cache;
+#[cfg(feature = "remote")]
 pub mod profile;
+#[cfg(feature = "remote")]
 pub mod remote;
+#[cfg(feature = "remote")]
 pub mod s3;
 
 use std::fs::File;
