@@ -185,7 +185,7 @@ pub fn parse_key_file(
     let doc = parse_doc(path, text)?;
     match cipher_name(path, &doc)? {
         "none" => open_key(path, &doc),
-        "aes-256-gcm" => passphrase_key(path, doc, passphrase),
+        "aes-256-gcm" => passphrase_key(path, text, doc, passphrase),
         other => Err(Error::at(
             path,
             format!("unknown key file cipher {other:?}"),
@@ -211,11 +211,11 @@ fn open_key(path: &Path, doc: &serde_json::Map<String, Value>) -> Result<ModelKe
 /// with AES-256-GCM, the rest of the document as associated data.
 fn passphrase_key(
     path: &Path,
-    mut doc: serde_json::Map<String, Value>,
+    text: &str,
+    doc: serde_json::Map<String, Value>,
     passphrase: impl FnOnce() -> Result<Zeroizing<String>>,
 ) -> Result<ModelKey> {
     let ciphertext = b64_field(path, doc.get("ciphertext"), "ciphertext")?;
-    doc.remove("ciphertext");
     let kdf = doc
         .get("kdf")
         .ok_or_else(|| Error::at(path, "key file has no kdf"))?;
@@ -229,7 +229,10 @@ fn passphrase_key(
     if nonce.len() != 12 {
         return Err(Error::at(path, "key file's nonce is not 12 bytes"));
     }
-    let aad = pyjson::dumps_sorted(&Value::Object(doc.clone()));
+    // From the text, not `doc`: a `Value` holds an integer beyond 64 bits as a float, which
+    // Python, which wrote the associated data, keeps exact.
+    let aad = pyjson::dumps_sorted_text_without(text, "ciphertext")
+        .ok_or_else(|| Error::at(path, "not a kLLM key file (not a JSON object)"))?;
     let phrase = passphrase()?;
     let mut kek = Zeroizing::new([0u8; KEY_BYTES]);
     scrypt::scrypt(phrase.as_bytes(), &salt, &params, kek.as_mut())
@@ -389,6 +392,56 @@ mod tests {
         .unwrap();
         assert_eq!(key.fingerprint(), "c440-08b8-6b0f-7d0e");
         assert!(!format!("{key:?}").contains("cpdt"));
+    }
+
+    /// A passphrase key file whose authenticated part holds an integer beyond 64 bits opens:
+    /// kLLM writes that part with Python's `json.dumps(sort_keys=True)`, which keeps the
+    /// integer exact (finding F6). The associated data below is Python 3's output for the
+    /// file less its `ciphertext`.
+    #[test]
+    fn a_passphrase_key_file_with_a_big_integer_opens() {
+        let key = ModelKey::new([7u8; KEY_BYTES]);
+        let (fp, salt, nonce) = (
+            key.fingerprint(),
+            B64.encode([1u8; 16]),
+            B64.encode([2u8; 12]),
+        );
+        let big = "123450000000000000000768276196";
+        let aad = format!(
+            r#"{{"cipher": {{"name": "aes-256-gcm", "nonce": "{nonce}"}}, "extra": {big}, "fingerprint": "{fp}", "format": "kllm-key", "kdf": {{"n": 16, "name": "scrypt", "p": 1, "r": 8, "salt": "{salt}"}}, "version": 1}}"#
+        );
+        let mut kek = [0u8; KEY_BYTES];
+        scrypt::scrypt(
+            b"pw",
+            &[1u8; 16],
+            &scrypt::Params::new(4, 8, 1, KEY_BYTES).unwrap(),
+            &mut kek,
+        )
+        .unwrap();
+        let ct = Aes256Gcm::new_from_slice(&kek)
+            .unwrap()
+            .encrypt(
+                Nonce::from_slice(&[2u8; 12]),
+                Payload {
+                    msg: &[7u8; KEY_BYTES],
+                    aad: aad.as_bytes(),
+                },
+            )
+            .unwrap();
+        let text = format!(
+            r#"{{"format": "kllm-key", "version": 1, "extra": {big}, "fingerprint": "{fp}",
+               "kdf": {{"name": "scrypt", "n": 16, "r": 8, "p": 1, "salt": "{salt}"}},
+               "cipher": {{"name": "aes-256-gcm", "nonce": "{nonce}"}},
+               "ciphertext": "{}"}}"#,
+            B64.encode(ct)
+        );
+        let phrase = || Ok(Zeroizing::new("pw".to_string()));
+        let opened = parse_key_file(Path::new("k.json"), &text, phrase).unwrap();
+        assert_eq!(opened.fingerprint(), fp);
+        // The same file with the integer one off is another document: refused.
+        let other = text.replace(big, "123450000000000000000768276197");
+        let e = parse_key_file(Path::new("k.json"), &other, phrase).unwrap_err();
+        assert!(e.to_string().contains("wrong passphrase"), "{e}");
     }
 
     #[test]

@@ -38,18 +38,100 @@ fn write_value(out: &mut String, value: &Value) {
             out.push(']');
         }
         Value::Object(map) => {
-            let mut keys: Vec<&String> = map.keys().collect();
-            keys.sort_by(|a, b| a.encode_utf16().cmp(b.encode_utf16()));
-            out.push('{');
-            for (i, k) in keys.into_iter().enumerate() {
+            write_sorted_object(out, map.iter().map(|(k, v)| (k.as_str(), v)), |out, v| {
+                write_value(out, v);
+                Some(())
+            });
+        }
+    }
+}
+
+/// An object's members sorted by key as Python sorts `str` keys (by code point, which for
+/// these is UTF-16 order), each value written by `write`.
+fn write_sorted_object<'a, V>(
+    out: &mut String,
+    members: impl Iterator<Item = (&'a str, V)>,
+    write: impl Fn(&mut String, V) -> Option<()>,
+) -> Option<()> {
+    let mut members: Vec<(&str, V)> = members.collect();
+    members.sort_by(|a, b| a.0.encode_utf16().cmp(b.0.encode_utf16()));
+    out.push('{');
+    for (i, (k, v)) in members.into_iter().enumerate() {
+        if i > 0 {
+            out.push_str(", ");
+        }
+        write_str(out, k);
+        out.push_str(": ");
+        write(out, v)?;
+    }
+    out.push('}');
+    Some(())
+}
+
+/// `json.dumps(json.loads(text), sort_keys=True)`, read from the text itself: every
+/// number keeps its digits, so an integer of any size comes out exact, as Python keeps it
+/// (a `serde_json::Value` holds one beyond 64 bits as a float). `None` when `text` is not
+/// JSON.
+pub fn dumps_sorted_text(text: &str) -> Option<String> {
+    let mut out = String::new();
+    write_raw(&mut out, text)?;
+    Some(out)
+}
+
+/// As [`dumps_sorted_text`] for the object in `text` less its top-level `member`: what
+/// kLLM authenticates a passphrase key file by (less its `ciphertext`). `None` when `text`
+/// is not a JSON object.
+pub fn dumps_sorted_text_without(text: &str, member: &str) -> Option<String> {
+    let top: IndexMap<String, &RawValue> = serde_json::from_str(text).ok()?;
+    let mut out = String::new();
+    let kept = top.iter().filter(|(k, _)| k.as_str() != member);
+    write_sorted_object(
+        &mut out,
+        kept.map(|(k, v)| (k.as_str(), v.get())),
+        write_raw,
+    )?;
+    Some(out)
+}
+
+fn write_raw(out: &mut String, raw: &str) -> Option<()> {
+    let raw = raw.trim_matches(|c: char| c.is_ascii_whitespace());
+    match raw.as_bytes().first()? {
+        b'{' => {
+            let map: IndexMap<String, &RawValue> = serde_json::from_str(raw).ok()?;
+            write_sorted_object(
+                out,
+                map.iter().map(|(k, v)| (k.as_str(), v.get())),
+                write_raw,
+            )
+        }
+        b'[' => {
+            let items: Vec<&RawValue> = serde_json::from_str(raw).ok()?;
+            out.push('[');
+            for (i, item) in items.iter().enumerate() {
                 if i > 0 {
                     out.push_str(", ");
                 }
-                write_str(out, k);
-                out.push_str(": ");
-                write_value(out, &map[k]);
+                write_raw(out, item.get())?;
             }
-            out.push('}');
+            out.push(']');
+            Some(())
+        }
+        b'-' | b'0'..=b'9' => {
+            // Checked as a JSON number first: Rust's own parsers take forms JSON does not.
+            serde_json::from_str::<&RawValue>(raw).ok()?;
+            if raw.contains(['.', 'e', 'E']) {
+                // Python's float(): correctly rounded, out of range to an infinity.
+                out.push_str(&float_repr(raw.parse().ok()?));
+            } else if raw.trim_start_matches('-').bytes().all(|b| b == b'0') {
+                out.push('0');
+            } else {
+                out.push_str(raw);
+            }
+            Some(())
+        }
+        _ => {
+            write_value(out, &serde_json::from_str(raw).ok()?);
+            Some(())
         }
     }
 }

@@ -1,7 +1,7 @@
 //! The Python-compatible JSON of `kllm_mount::pyjson`: `without_member` (the view's
 //! `config.json` / `kllm.json` without the lock flag) on arbitrary text, and `dumps_sorted`
-//! (the associated data of passphrase key files). Must never panic; what it writes must
-//! parse, lack the member, and keep every other member.
+//! and `dumps_sorted_text` (the associated data of passphrase key files). Must never panic;
+//! what it writes must parse, lack the member, and keep every other member.
 #![no_main]
 
 use kllm_mount::pyjson;
@@ -23,6 +23,7 @@ fuzz_target!(|data: &[u8]| {
     let Ok(text) = std::str::from_utf8(rest) else {
         return;
     };
+    check_dumps_sorted_text(text);
     let within = if mode & 1 == 0 { Some("kllm") } else { None };
     let member = if mode & 2 == 0 { "lock" } else { "kllm" };
     let out = pyjson::without_member(text, within, member);
@@ -66,6 +67,40 @@ fuzz_target!(|data: &[u8]| {
         );
     }
 });
+
+/// `dumps_sorted_text` (numbers from their digits): ASCII, idempotent, and the same
+/// document as its input as serde_json reads both, wherever the output is JSON (Python
+/// writes an out-of-range float as `Infinity`, which is not).
+fn check_dumps_sorted_text(text: &str) {
+    let Some(exact) = pyjson::dumps_sorted_text(text) else {
+        return;
+    };
+    assert!(exact.is_ascii(), "ensure_ascii output {exact:?}");
+    if exact.contains("Infinity") || exact.contains("NaN") || exact.contains(RAW_VALUE_MARKER) {
+        return;
+    }
+    assert_eq!(
+        pyjson::dumps_sorted_text(&exact).as_deref(),
+        Some(exact.as_str()),
+        "dumps_sorted_text is not idempotent on {text:?}"
+    );
+    // JSON, checked as raw text: a Value refuses integers beyond f64's range, which Python
+    // (and so `dumps_sorted_text`) writes out digit for digit.
+    if let Err(e) = serde_json::from_str::<&serde_json::value::RawValue>(&exact) {
+        panic!("dumps_sorted_text wrote invalid JSON ({e}): {exact:?}");
+    }
+    // Numbers compared as f64 where either side is one: serde_json reads `-0` as -0.0,
+    // Python as the integer 0.
+    if let (Ok(v), Ok(back)) = (
+        serde_json::from_str::<Value>(text),
+        serde_json::from_str::<Value>(&exact),
+    ) {
+        assert!(
+            same(&back, &v),
+            "dumps_sorted_text changed the document: {exact:?}\n{back:?}\n{v:?}"
+        );
+    }
+}
 
 /// JSON equality, numbers compared as f64 to within a few ulps.
 fn same(a: &Value, b: &Value) -> bool {
