@@ -15,7 +15,6 @@ use crate::mounttab::{expand_options, Ours};
 use crate::passthrough::{Copies, Requested, ServeMode};
 use crate::sealed::{self, Options, Verify};
 use crate::source::Location;
-use crate::view::View;
 use crate::{Error, Result};
 
 #[derive(Parser, Debug)]
@@ -278,18 +277,20 @@ pub fn prepare(args: &Args, budgets: &Budgets) -> Result<Served> {
         ..Options::with_cache(budgets.block_cache)
     };
     let location = Location::parse(args.sealed())?;
-    let view = if location.is_remote() {
-        open_remote(args, &location, &opts)?
-    } else {
-        // A wrong path is answered as such, not as a missing key (one is looked for in it).
-        check_source(args.sealed())?;
-        let (model_key, key_source) = key::resolve(
-            args.key.as_deref(),
-            args.sealed(),
-            &key::passphrase_from_env_or_prompt,
-        )?;
-        scrub_env(&[key::KEY_ENV, key::PASSPHRASE_ENV]);
-        sealed::open(args.sealed(), &model_key, &key_source, &opts)?
+    let view = match &location {
+        #[cfg(feature = "remote")]
+        Location::S3(_) | Location::Http(_) => open_remote(args, &location, &opts)?,
+        Location::Local(_) => {
+            // A wrong path is answered as such, not as a missing key (one is looked for in it).
+            check_source(args.sealed())?;
+            let (model_key, key_source) = key::resolve(
+                args.key.as_deref(),
+                args.sealed(),
+                &key::passphrase_from_env_or_prompt,
+            )?;
+            scrub_env(&[key::KEY_ENV, key::PASSPHRASE_ENV]);
+            sealed::open(args.sealed(), &model_key, &key_source, &opts)?
+        }
     };
     let mode =
         ServeMode::choose(args.mode, budgets.passthrough_memory)?.with_note(budgets.describe());
@@ -299,7 +300,7 @@ pub fn prepare(args: &Args, budgets: &Budgets) -> Result<Served> {
 /// The view of a remote source, its key resolved (one shipped beside the sealed files
 /// included) and the credentials taken out of the environment.
 #[cfg(feature = "remote")]
-fn open_remote(args: &Args, location: &Location, opts: &Options) -> Result<View> {
+fn open_remote(args: &Args, location: &Location, opts: &Options) -> Result<crate::view::View> {
     // The source first: a key shipped beside the sealed files comes from it.
     let source = location.open(&args.remote_settings(opts.stats.clone()))?;
     let shipped = || shipped_key(&*source);
@@ -315,12 +316,6 @@ fn open_remote(args: &Args, location: &Location, opts: &Options) -> Result<View>
     scrub_env(&[key::KEY_ENV, key::PASSPHRASE_ENV]);
     scrub_env(&crate::source::remote::SECRET_ENV);
     sealed::open_source(&*source, &model_key, &key_source, opts)
-}
-
-#[cfg(not(feature = "remote"))]
-fn open_remote(args: &Args, _: &Location, _: &Options) -> Result<View> {
-    // Not reached: without the feature, `Location::parse` refuses every URL.
-    Err(Error::at(args.sealed(), "not a local directory"))
 }
 
 /// The sealed directory exists and is one this mount can serve.

@@ -73,8 +73,11 @@ fn write_sorted_object<'a, V>(
 /// (a `serde_json::Value` holds one beyond 64 bits as a float). `None` when `text` is not
 /// JSON.
 pub fn dumps_sorted_text(text: &str) -> Option<String> {
+    // Checked whole once here; every value below is a `RawValue`'s text, without the
+    // whitespace around it.
+    let raw: &RawValue = serde_json::from_str(text).ok()?;
     let mut out = String::new();
-    write_raw(&mut out, text)?;
+    write_raw(&mut out, raw.get())?;
     Some(out)
 }
 
@@ -82,28 +85,15 @@ pub fn dumps_sorted_text(text: &str) -> Option<String> {
 /// kLLM authenticates a passphrase key file by (less its `ciphertext`). `None` when `text`
 /// is not a JSON object.
 pub fn dumps_sorted_text_without(text: &str, member: &str) -> Option<String> {
-    let top: IndexMap<String, &RawValue> = serde_json::from_str(text).ok()?;
     let mut out = String::new();
-    let kept = top.iter().filter(|(k, _)| k.as_str() != member);
-    write_sorted_object(
-        &mut out,
-        kept.map(|(k, v)| (k.as_str(), v.get())),
-        write_raw,
-    )?;
+    write_raw_object(&mut out, text, Some(member))?;
     Some(out)
 }
 
+/// The JSON value `raw` (valid, no whitespace around it) as Python writes it.
 fn write_raw(out: &mut String, raw: &str) -> Option<()> {
-    let raw = raw.trim_matches(|c: char| c.is_ascii_whitespace());
     match raw.as_bytes().first()? {
-        b'{' => {
-            let map: IndexMap<String, &RawValue> = serde_json::from_str(raw).ok()?;
-            write_sorted_object(
-                out,
-                map.iter().map(|(k, v)| (k.as_str(), v.get())),
-                write_raw,
-            )
-        }
+        b'{' => write_raw_object(out, raw, None),
         b'[' => {
             let items: Vec<&RawValue> = serde_json::from_str(raw).ok()?;
             out.push('[');
@@ -117,8 +107,6 @@ fn write_raw(out: &mut String, raw: &str) -> Option<()> {
             Some(())
         }
         b'-' | b'0'..=b'9' => {
-            // Checked as a JSON number first: Rust's own parsers take forms JSON does not.
-            serde_json::from_str::<&RawValue>(raw).ok()?;
             if raw.contains(['.', 'e', 'E']) {
                 // Python's float(): correctly rounded, out of range to an infinity.
                 out.push_str(&float_repr(raw.parse().ok()?));
@@ -134,6 +122,14 @@ fn write_raw(out: &mut String, raw: &str) -> Option<()> {
             Some(())
         }
     }
+}
+
+/// The object `raw`, less its member `skip`, sorted as Python sorts it. `None` when `raw`
+/// is not a JSON object.
+fn write_raw_object(out: &mut String, raw: &str, skip: Option<&str>) -> Option<()> {
+    let map: IndexMap<String, &RawValue> = serde_json::from_str(raw).ok()?;
+    let kept = map.iter().filter(|(k, _)| Some(k.as_str()) != skip);
+    write_sorted_object(out, kept.map(|(k, v)| (k.as_str(), v.get())), write_raw)
 }
 
 /// A string literal as Python writes it with `ensure_ascii=True`.
