@@ -763,10 +763,11 @@ impl FetchJob {
         let want = (self.range.end - self.range.start) as usize;
         if let Some((cache, key, idx)) = &self.cache {
             let (cache, key, idx) = (cache.clone(), key.clone(), *idx);
+            // The lookup fails to run only when the runtime is shutting down (before the
+            // daemon forks): no miss to count and no GET to start then.
             let found = tokio::task::spawn_blocking(move || cache.get(&key, idx, want))
                 .await
-                .ok()
-                .flatten();
+                .map_err(|e| Fail::io(format!("node cache lookup not run ({e})")))?;
             if let Some(bytes) = counted_lookup(&self.stats, found) {
                 return Ok(bytes);
             }
@@ -780,8 +781,12 @@ impl FetchJob {
         if let Some((cache, key, idx)) = self.cache {
             let b = bytes.clone();
             // Kept before the part is handed out, so a daemon that ends soon after still
-            // leaves it for the next mount; a failure to keep it is logged there.
-            let _ = tokio::task::spawn_blocking(move || cache.put(&key, idx, &b)).await;
+            // leaves it for the next mount; a failure to keep it is logged there. Not run
+            // (the runtime shutting down before the fork), the part is not had either, so
+            // the daemon fetches and keeps it again.
+            tokio::task::spawn_blocking(move || cache.put(&key, idx, &b))
+                .await
+                .map_err(|e| Fail::io(format!("node cache write not run ({e})")))?;
         }
         Ok(bytes)
     }
