@@ -1602,6 +1602,47 @@ mod tests {
     }
 
     #[test]
+    fn a_fetch_whose_cache_lookup_never_runs_fails_without_a_miss_or_a_get() {
+        let bytes: Vec<u8> = (0..2000u32).map(|i| (i % 251) as u8).collect();
+        let (mem, _, _) = one_object(&bytes, 1000);
+        let cache = tempfile::tempdir().unwrap();
+        let stats = Stats::new();
+        let s = RemoteSettings {
+            cache_dir: Some(cache.path().into()),
+            cache_dir_size: 1 << 20,
+            stats: stats.clone(),
+            ..settings(1000)
+        };
+        let remote = remote_over(&mem, &s);
+        let meta = remote
+            .call(
+                "head",
+                |s| async move { s.head(&StorePath::from("obj")).await },
+            )
+            .unwrap()
+            .unwrap();
+        let obj = remote.object(meta, "mem://obj".into());
+        let job = remote.job(&remote.live().unwrap(), &obj, 0);
+        // As before the fork: the runtime is shutting down when the fetch asks for its
+        // lookup, which tokio then cancels instead of running.
+        let runtime = tokio::runtime::Builder::new_current_thread()
+            .enable_all()
+            .build()
+            .unwrap();
+        let handle = runtime.handle().clone();
+        runtime.shutdown_background();
+        let _in_it = handle.enter();
+        let got = futures::executor::block_on(job.run());
+        assert!(got.is_err(), "a part not looked for is not had");
+        let c = stats.snapshot();
+        assert_eq!(
+            (c.node_cache_misses, c.remote_gets, c.remote_bytes_fetched),
+            (0, 0, 0),
+            "no miss counted, no GET begun"
+        );
+    }
+
+    #[test]
     fn listing_is_depth_first_and_sorted_with_implied_folders() {
         let t = SystemTime::UNIX_EPOCH;
         let keys = ["b/x", "a.json", "b/c/y", "b0", "bad//key", "dir/", "./z"];
