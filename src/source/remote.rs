@@ -1351,6 +1351,31 @@ mod tests {
         (mem, remote, obj)
     }
 
+    /// A source over `mem` with a node cache in `dir`, counting into `stats`, and its
+    /// object as [`one_object`] put it.
+    fn cached_object(
+        mem: &Arc<InMemory>,
+        dir: &Path,
+        stats: &Arc<Stats>,
+    ) -> (Arc<Remote>, RemoteObject) {
+        let s = RemoteSettings {
+            cache_dir: Some(dir.into()),
+            cache_dir_size: 1 << 20,
+            stats: stats.clone(),
+            ..settings(1000)
+        };
+        let remote = remote_over(mem, &s);
+        let meta = remote
+            .call(
+                "head",
+                |s| async move { s.head(&StorePath::from("obj")).await },
+            )
+            .unwrap()
+            .unwrap();
+        let obj = remote.object(meta, "mem://obj".into());
+        (remote, obj)
+    }
+
     #[test]
     fn any_range_reads_exactly_across_parts() {
         let bytes: Vec<u8> = (0..10_000u32).map(|i| (i * 7 + i / 251) as u8).collect();
@@ -1522,25 +1547,7 @@ mod tests {
         let bytes: Vec<u8> = (0..4500u32).map(|i| (i % 253) as u8).collect();
         let (mem, _, _) = one_object(&bytes, 1000);
         let cache = tempfile::tempdir().unwrap();
-        // A source over the same store with a node cache, its object as `one_object` put it.
-        let with_cache = |stats: &Arc<Stats>| {
-            let s = RemoteSettings {
-                cache_dir: Some(cache.path().into()),
-                cache_dir_size: 1 << 20,
-                stats: stats.clone(),
-                ..settings(1000)
-            };
-            let remote = remote_over(&mem, &s);
-            let meta = remote
-                .call(
-                    "head",
-                    |s| async move { s.head(&StorePath::from("obj")).await },
-                )
-                .unwrap()
-                .unwrap();
-            let obj = remote.object(meta, "mem://obj".into());
-            (remote, obj)
-        };
+        let with_cache = |stats: &Arc<Stats>| cached_object(&mem, cache.path(), stats);
         let count = |s: &Stats| {
             let c = s.snapshot();
             (
@@ -1607,21 +1614,7 @@ mod tests {
         let (mem, _, _) = one_object(&bytes, 1000);
         let cache = tempfile::tempdir().unwrap();
         let stats = Stats::new();
-        let s = RemoteSettings {
-            cache_dir: Some(cache.path().into()),
-            cache_dir_size: 1 << 20,
-            stats: stats.clone(),
-            ..settings(1000)
-        };
-        let remote = remote_over(&mem, &s);
-        let meta = remote
-            .call(
-                "head",
-                |s| async move { s.head(&StorePath::from("obj")).await },
-            )
-            .unwrap()
-            .unwrap();
-        let obj = remote.object(meta, "mem://obj".into());
+        let (remote, obj) = cached_object(&mem, cache.path(), &stats);
         let job = remote.job(&remote.live().unwrap(), &obj, 0);
         // As before the fork: the runtime is shutting down when the fetch asks for its
         // lookup, which tokio then cancels instead of running.
