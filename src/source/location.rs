@@ -34,14 +34,8 @@ impl Location {
 
     #[cfg(not(feature = "remote"))]
     fn parse_url(text: &str, _s3: bool) -> Result<Location> {
-        // Named without what comes before an `@`: it may hold credentials.
-        let (scheme, rest) = text.split_once("://").unwrap_or(("", text));
-        let shown = format!(
-            "{scheme}://{}",
-            rest.split_once('@').map_or(rest, |(_, r)| r)
-        );
         Err(Error::at(
-            Path::new(&shown),
+            Path::new(&without_secrets(text)),
             "this build of kllm-mount reads local directories only \
              (object storage and HTTP are its cargo feature `remote`)",
         ))
@@ -49,31 +43,22 @@ impl Location {
 
     #[cfg(feature = "remote")]
     fn parse_url(text: &str, s3: bool) -> Result<Location> {
-        // Never repeat a URL that may hold credentials: name it without them.
-        let bare = |u: &url::Url| {
-            let mut u = u.clone();
-            let _ = u.set_username("");
-            let _ = u.set_password(None);
-            u.set_query(None);
-            u.set_fragment(None);
-            u.to_string()
-        };
         let url = url::Url::parse(text).map_err(|e| {
             Error::at(
-                Path::new(text.split_once('@').map_or(text, |(_, rest)| rest)),
+                Path::new(&without_secrets(text)),
                 format!("not a URL ({e})"),
             )
         })?;
         if !url.username().is_empty() || url.password().is_some() {
             return Err(Error::at(
-                Path::new(&bare(&url)),
+                Path::new(&without_secrets(text)),
                 "credentials in the URL are not taken: give them in the environment \
                  (AWS_ACCESS_KEY_ID, ...) or an AWS profile",
             ));
         }
         if url.query().is_some() || url.fragment().is_some() {
             return Err(Error::at(
-                Path::new(&bare(&url)),
+                Path::new(&without_secrets(text)),
                 "a query or fragment in the URL is not taken (it may hold a token)",
             ));
         }
@@ -100,6 +85,16 @@ impl Location {
             Location::Http(url) => Arc::new(super::http::open(url, settings)?),
         })
     }
+}
+
+/// A URL as an error may repeat it, parsed or not: without what comes before its last `@`
+/// (user and password; a password may hold a `/`), its query and its fragment (a signed
+/// URL's token). A path with an `@` in it loses its start, which only an error shows.
+fn without_secrets(text: &str) -> String {
+    let (scheme, rest) = text.split_once("://").unwrap_or(("", text));
+    let rest = rest.split(['?', '#']).next().unwrap_or_default();
+    let rest = rest.rsplit_once('@').map_or(rest, |(_, after)| after);
+    format!("{scheme}://{rest}")
 }
 
 #[cfg(test)]
@@ -145,5 +140,19 @@ mod tests {
             .unwrap_err()
             .to_string();
         assert!(!e.contains("abc"), "{e}");
+        // Not URLs: named all the same, without their secrets.
+        let e = p("https://[bad/x?X-Amz-Signature=abc")
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("https://[bad/x") && !e.contains("abc"), "{e}");
+        let e = p("https://u:pa/ss@h:x/y").unwrap_err().to_string();
+        assert!(e.contains("https://h:x/y") && !e.contains("pa/ss"), "{e}");
+    }
+
+    #[test]
+    fn secrets_are_cut_from_a_named_url() {
+        assert_eq!(without_secrets("s3://k:s@b/m?t=1#f"), "s3://b/m");
+        assert_eq!(without_secrets("https://u:p/w@h/x/"), "https://h/x/");
+        assert_eq!(without_secrets("http://h:9/a/b"), "http://h:9/a/b");
     }
 }
