@@ -1636,6 +1636,67 @@ mod tests {
     }
 
     #[test]
+    fn a_fetched_part_whose_cache_write_never_runs_is_not_had() {
+        use futures::task::{waker, ArcWake};
+        use std::future::Future;
+        use std::task::Context;
+        struct Woken(AtomicBool);
+        impl ArcWake for Woken {
+            fn wake_by_ref(w: &Arc<Self>) {
+                w.0.store(true, Ordering::SeqCst);
+            }
+        }
+        let bytes: Vec<u8> = (0..2000u32).map(|i| (i % 251) as u8).collect();
+        let (mem, _, _) = one_object(&bytes, 1000);
+        let cache = tempfile::tempdir().unwrap();
+        let stats = Stats::new();
+        let (remote, obj) = cached_object(&mem, cache.path(), &stats);
+        let job = remote.job(&remote.live().unwrap(), &obj, 0);
+        // The lookup runs; the runtime then shuts down (as before the fork), so tokio
+        // cancels the write that follows the GET instead of running it. The one blocking
+        // thread is held until the fetch has asked for its lookup, so that the lookup
+        // cannot end before the first poll does (and the write run within that poll).
+        let runtime = tokio::runtime::Builder::new_current_thread()
+            .max_blocking_threads(1)
+            .enable_all()
+            .build()
+            .unwrap();
+        let handle = runtime.handle().clone();
+        let _in_it = handle.enter();
+        let (unplug, plugged) = std::sync::mpsc::channel::<()>();
+        let (started, plug_started) = std::sync::mpsc::channel::<()>();
+        handle.spawn_blocking(move || {
+            started.send(()).unwrap();
+            plugged.recv()
+        });
+        plug_started.recv().unwrap();
+        let woken = Arc::new(Woken(AtomicBool::new(false)));
+        let waker = waker(woken.clone());
+        let mut run = std::pin::pin!(job.run());
+        let pending = run.as_mut().poll(&mut Context::from_waker(&waker));
+        assert!(
+            pending.is_pending(),
+            "the lookup waits for the blocking thread"
+        );
+        unplug.send(()).unwrap();
+        while !woken.0.load(Ordering::SeqCst) {
+            std::thread::sleep(Duration::from_millis(1));
+        }
+        runtime.shutdown_background();
+        let got = futures::executor::block_on(run);
+        let c = stats.snapshot();
+        assert_eq!(
+            (c.node_cache_misses, c.remote_bytes_fetched),
+            (1, 1000),
+            "the lookup and the GET ran"
+        );
+        assert!(got.is_err(), "a part not kept is not had");
+        let node_cache = remote.node_cache.as_ref().unwrap();
+        let kept = node_cache.get(&obj.cache_key(&remote.name), 0, 1000);
+        assert!(kept.is_none(), "nothing was written to the node cache");
+    }
+
+    #[test]
     fn listing_is_depth_first_and_sorted_with_implied_folders() {
         let t = SystemTime::UNIX_EPOCH;
         let keys = ["b/x", "a.json", "b/c/y", "b0", "bad//key", "dir/", "./z"];
