@@ -602,6 +602,27 @@ fn mount_time_errors_are_one_line_and_leave_nothing_mounted() {
         "credentials in the URL",
     );
     assert!(!err.contains("pw@"), "{err}");
+    let err = refuse(
+        "https://[127.0.0.1/m?X-Amz-Signature=tok3n",
+        &[],
+        "a URL that does not parse",
+    );
+    assert!(err.contains("not a URL") && !err.contains("tok3n"), "{err}");
+    // So are they in the endpoint, from the flag or the environment, which every error
+    // naming a request would repeat.
+    let with_user = endpoint.replacen("://", "://user:pw@", 1);
+    let err = refuse(
+        &format!("s3://{BUCKET}/m"),
+        &["--endpoint-url", &with_user],
+        "credentials in the endpoint",
+    );
+    assert!(err.contains("endpoint") && !err.contains("pw@"), "{err}");
+    let m = Mnt::new();
+    let mut c = remote_cmd(&m, &format!("s3://{BUCKET}/m"));
+    c.args(["--key", key])
+        .env("AWS_ENDPOINT_URL", format!("{endpoint}/?token=tok3n"));
+    let err = assert_refused(&m, c, "a token in AWS_ENDPOINT_URL");
+    assert!(err.contains("endpoint") && !err.contains("tok3n"), "{err}");
 }
 
 #[test]

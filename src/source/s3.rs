@@ -22,6 +22,27 @@ use super::remote::{
 };
 use crate::{Error, Result};
 
+/// The endpoint (`--endpoint-url`, `AWS_ENDPOINT_URL`, a profile's `endpoint_url`) names
+/// the server and nothing else: credentials or a token in it would be repeated by every
+/// error and log line that names a request.
+fn check_endpoint(endpoint: &str) -> std::result::Result<(), String> {
+    let shown = super::location::without_secrets(endpoint);
+    let url = url::Url::parse(endpoint)
+        .map_err(|e| format!("the endpoint {shown} is not a URL ({e})"))?;
+    if !url.username().is_empty() || url.password().is_some() {
+        return Err(format!(
+            "the endpoint {shown}: credentials in it are not taken: give them in the \
+             environment (AWS_ACCESS_KEY_ID, ...) or an AWS profile"
+        ));
+    }
+    if url.query().is_some() || url.fragment().is_some() {
+        return Err(format!(
+            "the endpoint {shown}: a query or fragment in it is not taken (it may hold a token)"
+        ));
+    }
+    Ok(())
+}
+
 /// Connect and list `s3://BUCKET/PREFIX`: every object under the prefix, by its path
 /// relative to it. Any failure is one line naming the URL.
 pub fn open(url: &url::Url, settings: &RemoteSettings) -> Result<RemoteSource> {
@@ -71,6 +92,9 @@ pub fn open(url: &url::Url, settings: &RemoteSettings) -> Result<RemoteSource> {
         b = b.with_region(std::env::var("AWS_DEFAULT_REGION").unwrap_or_default());
     }
     let endpoint = b.get_config_value(&AmazonS3ConfigKey::Endpoint);
+    if let Some(e) = &endpoint {
+        check_endpoint(e).map_err(|why| Error::at(Path::new(&shown), why))?;
+    }
     let plain_http = endpoint
         .as_deref()
         .is_some_and(|e| e.starts_with("http://"));
@@ -138,4 +162,27 @@ pub fn open(url: &url::Url, settings: &RemoteSettings) -> Result<RemoteSource> {
         }
     }
     Ok(RemoteSource::new(remote, shown, objects, "no such object"))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::check_endpoint;
+
+    #[test]
+    fn an_endpoint_names_the_server_and_nothing_else() {
+        assert!(check_endpoint("http://127.0.0.1:9000").is_ok());
+        assert!(check_endpoint("https://minio.internal/").is_ok());
+        for (endpoint, secret) in [
+            ("http://key:s3cret@127.0.0.1:9000", "s3cret"),
+            (
+                "https://minio.internal/?X-Amz-Security-Token=t0ken",
+                "t0ken",
+            ),
+            ("https://minio.internal/#t0ken", "t0ken"),
+            ("https://[minio/?t0ken", "t0ken"),
+        ] {
+            let e = check_endpoint(endpoint).unwrap_err();
+            assert!(e.contains("the endpoint") && !e.contains(secret), "{e}");
+        }
+    }
 }
