@@ -318,6 +318,48 @@ fn every_fixture_over_http_with_a_manifest() {
     assert!(err.contains("kllm-manifest.json"), "{err}");
 }
 
+#[test]
+fn an_http_source_follows_redirects_to_where_the_bytes_are() {
+    // A hub answers each file's URL with a redirect to its CDN, HEADs and ranged GETs alike.
+    let Some(server) = S3Server::start() else {
+        return;
+    };
+    server.make_bucket(BUCKET);
+    let case = case("llm_v2");
+    let skip = ["kllm.key", "kllm-manifest.json"];
+    server.put_tree(BUCKET, "http/m", &case.sealed(), &skip);
+    server.put(
+        BUCKET,
+        "http/m/kllm-manifest.json",
+        &manifest_of(&case.sealed(), &skip),
+    );
+    let hub = FaultProxy::start(server.addr);
+    hub.add(Rule::new(
+        "",
+        Fault::Redirect(format!("http://{}", server.addr)),
+        usize::MAX,
+    ));
+    let url = format!("{}/{BUCKET}/http/m", hub.endpoint());
+    for (i, mode) in ["fuse", "passthrough"].iter().enumerate() {
+        let m = Mnt::new();
+        mount_remote(&m, &url, &case, &["--mode", mode]);
+        assert_view(
+            &case,
+            &m,
+            &format!("redirected, --mode {mode}"),
+            30 + i as u64,
+        );
+    }
+    // The manifest, a HEAD a file and the data's GETs: all sent on by the hub.
+    let files = tree(&case.view()).len();
+    assert!(
+        hub.fired() > files && hub.fired() == hub.requests(),
+        "redirected {} of {} requests ({files} files)",
+        hub.fired(),
+        hub.requests()
+    );
+}
+
 /// The llm_v2 case alone, behind a fault proxy, parts of 64 KiB so one file is many GETs.
 struct Faulty {
     server: S3Server,

@@ -19,6 +19,9 @@ pub enum Fault {
     Stall(Duration),
     /// Send the head (with the full Content-Length) and this many body bytes, then close.
     Truncate(usize),
+    /// Answer `302 Found` with `Location:` this base URL and the request's path, as a model
+    /// hub sends a file's resolve URL to its CDN.
+    Redirect(String),
 }
 
 #[derive(Debug, Clone)]
@@ -172,6 +175,17 @@ fn serve(s: &Shared, client: TcpStream) {
             Some(Fault::Status(code)) => {
                 let msg = format!(
                     "HTTP/1.1 {code} Injected\r\nContent-Length: 0\r\nConnection: keep-alive\r\n\r\n"
+                );
+                if client.write_all(msg.as_bytes()).is_err() {
+                    return;
+                }
+                continue;
+            }
+            Some(Fault::Redirect(base)) => {
+                let path = head[0].split(' ').nth(1).unwrap_or("/");
+                let msg = format!(
+                    "HTTP/1.1 302 Found\r\nLocation: {base}{path}\r\nContent-Length: 0\r\n\
+                     Connection: keep-alive\r\n\r\n"
                 );
                 if client.write_all(msg.as_bytes()).is_err() {
                     return;
