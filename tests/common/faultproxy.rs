@@ -19,9 +19,9 @@ pub enum Fault {
     Stall(Duration),
     /// Send the head (with the full Content-Length) and this many body bytes, then close.
     Truncate(usize),
-    /// Answer `302 Found` with `Location:` this base URL and the request's path, as a model
-    /// hub sends a file's resolve URL to its CDN.
-    Redirect(String),
+    /// Answer `302 Found` with `Location:` this base URL, the request's path and this
+    /// query, as a model hub sends a file's resolve URL to its CDN (signed).
+    Redirect(String, String),
 }
 
 #[derive(Debug, Clone)]
@@ -181,10 +181,10 @@ fn serve(s: &Shared, client: TcpStream) {
                 }
                 continue;
             }
-            Some(Fault::Redirect(base)) => {
+            Some(Fault::Redirect(base, query)) => {
                 let path = head[0].split(' ').nth(1).unwrap_or("/");
                 let msg = format!(
-                    "HTTP/1.1 302 Found\r\nLocation: {base}{path}\r\nContent-Length: 0\r\n\
+                    "HTTP/1.1 302 Found\r\nLocation: {base}{path}{query}\r\nContent-Length: 0\r\n\
                      Connection: keep-alive\r\n\r\n"
                 );
                 if client.write_all(msg.as_bytes()).is_err() {
