@@ -80,11 +80,9 @@ pub struct Input {
     pub decode: Box<DecodeFn>,
     pub check: Option<Arc<CheckFn>>,
     pub prefetch: Option<Box<PrefetchFn>>,
-    /// Whether `fetch` writes `[off, off + len)` of the copy by DMA (`O_DIRECT`). Such a
-    /// chunk's fresh pages are faulted in a chunk ahead, on another core: a DMA read
-    /// first waits for every page to be cleared. A CPU copy is left to clear each page as
-    /// it writes it, while the page is in the cache.
-    pub fetch_is_dma: Box<RangeFn>,
+    /// How `fetch` brings the sealed bytes of `[off, off + len)`: it decides how the
+    /// chunk's memory is made (see [`Fetched`]).
+    pub fetched: Box<FetchedFn>,
     /// How many chunks may be fetched at once, each by its own thread straight into its
     /// place, ahead of the unlock (a remote source: many GETs in flight). 1: the next chunk
     /// is fetched beside the unlock of the current one.
@@ -93,10 +91,35 @@ pub struct Input {
     /// file's check need not read them again. Given up if chunks come out of order (they do
     /// not before the verdict: no reader moves the decoder until then) or one fails.
     pub digest: Option<crate::digest::DigestFeeder>,
+    /// Called once the copy is complete (every chunk in, the verdict good), before it is
+    /// handed out: nothing reads the sealed bytes any more.
+    pub completed: Option<Box<dyn Fn() + Send + Sync>>,
 }
 
-/// A question about the sealed bytes of `[off, off + len)`.
-pub type RangeFn = dyn Fn(u64, u64) -> bool + Send + Sync;
+/// How the sealed bytes of `[off, off + len)` reach the copy.
+pub type FetchedFn = dyn Fn(u64, u64) -> Fetched + Send + Sync;
+
+/// How a chunk's sealed bytes reach its place in the copy, which decides how the chunk's
+/// memory is made.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Fetched {
+    /// By DMA (`O_DIRECT`) from the disk. Such a chunk's fresh pages are faulted in a chunk
+    /// ahead, on another core: a DMA read first waits for every page to be cleared.
+    Dma,
+    /// Copied from the sealed file's page cache, whose pages are then let go. The chunk's
+    /// memory is allocated in folios of [`PAGE_CACHE_FOLIO`], so that the page cache's
+    /// folios let go before (the same size or larger) are what it is made of: memory the
+    /// host still backs, where fresh memory on a VM with free page reporting costs 2-3 s
+    /// per GiB to touch (docs/PERFORMANCE.md, "Fresh memory on this VM").
+    PageCache,
+    /// Copied by the CPU from elsewhere (a remote source's GETs): each page is cleared as
+    /// it is written, while it is in the core's cache.
+    Copied,
+}
+
+/// The folio size of chunks copied from the page cache: a file's page cache is made of
+/// folios of 128 KiB (a readahead window's) and more.
+pub const PAGE_CACHE_FOLIO: u64 = 128 << 10;
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Priority {
@@ -292,10 +315,6 @@ impl Fill {
                 format!("{n} of {} bytes at {off}", buf.len()),
             ))),
         };
-        let check: Option<Arc<CheckFn>> = match node.integrity {
-            Some(_) => Some(Arc::new(move || c.verify(ino))),
-            None => None,
-        };
         let object = view
             .sealed_object(ino)
             .map_err(|e| io::Error::other(e.to_string()))?
@@ -312,12 +331,15 @@ impl Fill {
             },
             None => None,
         };
-        let fetch_is_dma: Box<RangeFn> = match &local {
+        let fetched: Box<FetchedFn> = match &local {
             Some(r) => {
                 let r = r.clone();
-                Box::new(move |off, len| r.reads_direct(off, len))
+                Box::new(move |off, len| match r.reads_direct(off, len) {
+                    true => Fetched::Dma,
+                    false => Fetched::PageCache,
+                })
             }
-            None => Box::new(|_, _| false),
+            None => Box::new(|_, _| Fetched::Copied),
         };
         // Without O_DIRECT the page cache brings the sealed bytes: ask for them ahead.
         let prefetch: Option<Box<PrefetchFn>> = match &local {
@@ -327,6 +349,20 @@ impl Fill {
             _ => None,
         };
         // Any other source by its own reads, as many at once as it gains from.
+        // The page cache's copy of the sealed bytes goes once they are in the copy and the
+        // file's hash (which reads them beside the fill) is done with them.
+        let check: Option<Arc<CheckFn>> = match (&node.integrity, &local) {
+            (Some(_), Some(r)) => {
+                let r = r.clone();
+                Some(Arc::new(move || {
+                    let verdict = c.verify(ino);
+                    r.let_go_kept();
+                    verdict
+                }))
+            }
+            (Some(_), None) => Some(Arc::new(move || c.verify(ino))),
+            (None, _) => None,
+        };
         let fetch_ahead = match (&local, &object) {
             (None, Some(o)) => o.parallel_reads().max(1),
             _ => 1,
@@ -337,8 +373,17 @@ impl Fill {
             1 => None,
             _ => view.digest_feeder(ino),
         };
+        let completed: Option<Box<dyn Fn() + Send + Sync>> = local.clone().map(|r| {
+            let len = node.attr.size;
+            Box::new(move || r.drop_cached(0, len, true)) as Box<dyn Fn() + Send + Sync>
+        });
+        let h = view.clone();
         let fetch = move |off: u64, buf: &mut [u8]| match (&local, &object) {
-            (Some(r), _) => r.read(off, buf),
+            (Some(r), _) => {
+                r.read(off, buf)?;
+                r.let_go(off, buf.len() as u64, || !h.awaits_verdict(ino));
+                Ok(())
+            }
             (None, Some(o)) => o.read_once_at(buf, off).map_err(io::Error::from),
             (None, None) => Ok(()),
         };
@@ -348,9 +393,10 @@ impl Fill {
             decode: Box::new(decode),
             check,
             prefetch,
-            fetch_is_dma,
+            fetched,
             fetch_ahead,
             digest,
+            completed,
         };
         let target = Target {
             file: memory.create()?,
@@ -612,7 +658,7 @@ impl Inner {
                 let next = next.filter(|&j| !fetched[j]);
                 let then = then.filter(|&k| {
                     let (e, f) = self.range(k);
-                    next.is_some() && (self.source.fetch_is_dma)(e, f - e)
+                    next.is_some() && (self.source.fetched)(e, f - e) == Fetched::Dma
                 });
                 // SAFETY: as above; `i` and `next` are different chunks.
                 let buf = unsafe { self.chunk_mut(i) };
@@ -808,7 +854,11 @@ impl Inner {
             None => Ok(()),
         };
         let sealed = match (failures, verdict) {
-            (0, Ok(())) => self.seal(),
+            (0, Ok(())) => self.seal().inspect(|_| {
+                if let Some(completed) = &self.source.completed {
+                    completed();
+                }
+            }),
             (0, Err(e)) => Err(format!("not handed to the kernel: {e}")),
             (n, _) => Err(format!("{n} chunks not decoded; served through FUSE")),
         };
@@ -844,16 +894,26 @@ impl Inner {
         }
     }
 
-    /// Allocate the file's memory in order up to `to`; `allocated` is how far it is.
+    /// Allocate the file's memory in order up to `to`; `allocated` is how far it is. Each
+    /// chunk's folios are sized by how its bytes are fetched (see [`Fetched`]).
     fn allocate(&self, allocated: &mut u64, to: u64) -> io::Result<()> {
         if *allocated >= to {
             return Ok(());
         }
-        match self.file.lock().as_ref() {
-            Some(f) => crate::memfs::allocate_range(f, *allocated, to, self.step)?,
-            None => return Err(io::Error::other("the file is sealed")),
+        let file = self.file.lock();
+        let f = file
+            .as_ref()
+            .ok_or_else(|| io::Error::other("the file is sealed"))?;
+        while *allocated < to {
+            let (a, b) = self.range((*allocated / CHUNK) as usize);
+            let step = match (self.source.fetched)(a, b - a) {
+                Fetched::PageCache => self.step.min(PAGE_CACHE_FOLIO),
+                Fetched::Dma | Fetched::Copied => self.step,
+            };
+            let end = b.min(to);
+            crate::memfs::allocate_range(f, *allocated, end, step)?;
+            *allocated = end;
         }
-        *allocated = to;
         Ok(())
     }
 
@@ -952,10 +1012,14 @@ impl State {
 struct SealedReader {
     file: File,
     direct: Option<File>,
+    /// Ranges fetched while the file's hash still had to read them, let go once it has.
+    kept: Mutex<Vec<(u64, u64)>>,
 }
 
 /// `O_DIRECT` wants offsets, lengths and memory aligned to the device's logical block.
 const DIRECT_ALIGN: u64 = 4096;
+/// The page cache's unit.
+const PAGE: u64 = 4096;
 
 impl SealedReader {
     fn new(file: &File) -> io::Result<SealedReader> {
@@ -971,7 +1035,56 @@ impl SealedReader {
         Ok(SealedReader {
             file: File::open(&again)?,
             direct,
+            kept: Mutex::new(Vec::new()),
         })
+    }
+
+    /// Let the page cache's pages of `[off, off + len)` go, now that those sealed bytes are
+    /// in the copy, or once the file's hash is done with them (`hashed`, asked under the
+    /// lock that [`SealedReader::let_go_kept`] takes after the verdict). The copy replaces
+    /// them: kept, they would double the memory the shard takes. And let go as the fill
+    /// goes, they are the memory the next chunks of the copy are made of (see
+    /// [`Fetched::PageCache`]).
+    fn let_go(&self, off: u64, len: u64, hashed: impl FnOnce() -> bool) {
+        let mut kept = self.kept.lock();
+        if hashed() {
+            self.drop_cached(off, len, false);
+        } else {
+            kept.push((off, len));
+        }
+    }
+
+    /// Let go of the ranges kept for the file's hash, now that its verdict is in.
+    fn let_go_kept(&self) {
+        for (off, len) in std::mem::take(&mut *self.kept.lock()) {
+            self.drop_cached(off, len, false);
+        }
+    }
+
+    /// `POSIX_FADV_DONTNEED` for the pages of `[off, off + len)`: every one if `whole`, else
+    /// all but the first and last, since the unlock of the chunks beside reads the values
+    /// the range's edges cut from there (the kernel keeps the folios that hold them).
+    fn drop_cached(&self, off: u64, len: u64, whole: bool) {
+        use std::os::fd::AsRawFd;
+        if len == 0 {
+            return;
+        }
+        let (from, to) = match whole {
+            true => (off, off + len),
+            false => ((off / PAGE + 1) * PAGE, (off + len - 1) / PAGE * PAGE),
+        };
+        if to > from {
+            // SAFETY: advice on an open descriptor; the kernel drops only clean pages no
+            // one maps, so any reader still gets the file's bytes (from the disk).
+            unsafe {
+                libc::posix_fadvise(
+                    self.file.as_raw_fd(),
+                    from as libc::off_t,
+                    (to - from) as libc::off_t,
+                    libc::POSIX_FADV_DONTNEED,
+                )
+            };
+        }
     }
 
     /// Whether `read` brings `[off, off + len)` (into aligned memory) from the disk by
@@ -1177,9 +1290,10 @@ mod tests {
             decode: Box::new(move |off, buf| e(off, buf)),
             check,
             prefetch,
-            fetch_is_dma: Box::new(|_, _| false),
+            fetched: Box::new(|_, _| Fetched::Copied),
             fetch_ahead: 1,
             digest: None,
+            completed: None,
         }
     }
 
@@ -1455,9 +1569,10 @@ mod tests {
             check: None,
             prefetch: None,
             // With one fetch at a time, the chunk after the next is faulted in beside it.
-            fetch_is_dma: Box::new(|_, _| true),
+            fetched: Box::new(|_, _| Fetched::Dma),
             fetch_ahead,
             digest: None,
+            completed: None,
         };
         (src, fetches, most)
     }

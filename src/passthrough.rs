@@ -1168,9 +1168,10 @@ mod tests {
             decode: Box::new(make),
             check: None,
             prefetch: None,
-            fetch_is_dma: Box::new(|_, _| false),
+            fetched: Box::new(|_, _| crate::fill::Fetched::Copied),
             fetch_ahead: 1,
             digest: None,
+            completed: None,
         };
         let target = Target {
             file: tempfile::tempfile().unwrap(),

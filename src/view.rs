@@ -210,6 +210,14 @@ impl View {
         }
     }
 
+    /// Whether file `ino` is under a manifest and its verdict is not in yet (its hash may
+    /// still read its sealed bytes).
+    pub fn awaits_verdict(&self, ino: Ino) -> bool {
+        self.node(ino)
+            .and_then(|n| n.integrity.as_ref())
+            .is_some_and(|i| i.verdict.get().is_none())
+    }
+
     fn verdict<'a>(&self, ino: Ino, node: &Node, i: &'a Integrity) -> &'a Result<(), String> {
         i.verdict.get_or_init(|| {
             let verdict = i.judge(self.hash(node));

@@ -219,3 +219,68 @@ fn no_decode_ahead_leaves_shards_until_opened() {
     let f = File::open(m.path(BIG)).unwrap();
     assert!(read_all(&f, s.view()[BIG].len()) == s.view()[BIG]);
 }
+
+/// Bytes of `path` in the page cache (`mincore` over a mapping of it).
+fn cached_bytes(path: &Path) -> u64 {
+    let f = File::open(path).unwrap();
+    let len = f.metadata().unwrap().len() as usize;
+    // SAFETY: a read-only mapping of a file no one writes during the test.
+    let map = unsafe { memmap2::Mmap::map(&f) }.unwrap();
+    let mut resident = vec![0u8; len.div_ceil(4096)];
+    // SAFETY: `resident` has one byte per page of the mapping.
+    let r = unsafe { libc::mincore(map.as_ptr() as *mut _, len, resident.as_mut_ptr()) };
+    assert_eq!(r, 0, "mincore: {}", std::io::Error::last_os_error());
+    resident.iter().filter(|&&b| b & 1 == 1).count() as u64 * 4096
+}
+
+#[test]
+fn a_sealed_shards_page_cache_goes_once_its_copy_holds_it() {
+    let s = sample();
+    let want = s.view()[BIG].clone();
+    // On the disk the build is on: a tmpfs (where the system's temporary folder may be)
+    // cannot let its pages go.
+    let disk = tempfile::tempdir_in(env!("CARGO_TARGET_TMPDIR")).unwrap();
+    for manifest in [false, true] {
+        let sealed = disk.path().join(format!("sealed-{manifest}"));
+        copy_tree(&s.sealed(), &sealed);
+        if manifest {
+            fs::write(
+                sealed.join("kllm-manifest.json"),
+                s3server::manifest_of(&sealed, &[]),
+            )
+            .unwrap();
+        }
+        let shard = sealed.join(BIG);
+        let len = fs::metadata(&shard).unwrap().len();
+        // Written back (a dirty page cannot go), and all of it in the page cache.
+        File::open(&shard).unwrap().sync_all().unwrap();
+        fs::read(&shard).unwrap();
+        assert!(
+            cached_bytes(&shard) >= len * 9 / 10,
+            "the sealed shard is not in the page cache to begin with"
+        );
+        let m = Mnt::new();
+        let log = m.scratch().join("log");
+        let mut c = m.cmd(&sealed);
+        c.arg("--key")
+            .arg(s.key_file())
+            .args(["--log-file".as_ref(), log.as_os_str()])
+            .args(["--mode", "passthrough"])
+            .env("RUST_LOG", "kllm_mount=debug");
+        m.mount(c);
+        let f = File::open(m.path(BIG)).unwrap();
+        assert!(read_all(&f, want.len()) == want, "{BIG} differs");
+        wait_for(60, "the decoded copy", || decodes_of(&log, BIG) == 1);
+        if manifest {
+            // The copy is complete only with a good verdict: the shard was hashed whole.
+            assert!(counter(&m, "verified_bytes") >= len);
+        }
+        // Each chunk's pages go once fetched, but the first and last (the chunks beside may
+        // read the values cut there), which go once the copy is complete.
+        let left = cached_bytes(&shard);
+        assert!(
+            left == 0,
+            "{left} of {len} bytes of the sealed shard still cached (manifest: {manifest})"
+        );
+    }
+}
