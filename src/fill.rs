@@ -101,25 +101,28 @@ pub type FetchedFn = dyn Fn(u64, u64) -> Fetched + Send + Sync;
 
 /// How a chunk's sealed bytes reach its place in the copy, which decides how the chunk's
 /// memory is made.
+///
+/// A chunk the CPU copies into place is allocated in folios of [`COPIED_FOLIO`]: on a VM
+/// whose host takes back the free blocks the guest reports (2 MiB and more), fresh memory
+/// costs 2-3 s per GiB to touch, while folios this small are made of memory the host still
+/// backs: the sealed file's page cache let go a chunk before, and the smaller free blocks,
+/// which are never reported (docs/PERFORMANCE.md, "Fresh memory on this VM").
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Fetched {
-    /// By DMA (`O_DIRECT`) from the disk. Such a chunk's fresh pages are faulted in a chunk
-    /// ahead, on another core: a DMA read first waits for every page to be cleared.
+    /// By DMA (`O_DIRECT`) from the disk, into folios of the memory's own size (1 MiB
+    /// where the kernel makes them: a little faster to read back). Such a chunk's fresh
+    /// pages are faulted in a chunk ahead, on another core: a DMA read first waits for
+    /// every page to be cleared.
     Dma,
-    /// Copied from the sealed file's page cache, whose pages are then let go. The chunk's
-    /// memory is allocated in folios of [`PAGE_CACHE_FOLIO`], so that the page cache's
-    /// folios let go before (the same size or larger) are what it is made of: memory the
-    /// host still backs, where fresh memory on a VM with free page reporting costs 2-3 s
-    /// per GiB to touch (docs/PERFORMANCE.md, "Fresh memory on this VM").
+    /// Copied from the sealed file's page cache, whose pages are then let go.
     PageCache,
-    /// Copied by the CPU from elsewhere (a remote source's GETs): each page is cleared as
-    /// it is written, while it is in the core's cache.
+    /// Copied from elsewhere (a remote source's GETs).
     Copied,
 }
 
-/// The folio size of chunks copied from the page cache: a file's page cache is made of
-/// folios of 128 KiB (a readahead window's) and more.
-pub const PAGE_CACHE_FOLIO: u64 = 128 << 10;
+/// The folio size of chunks the CPU copies into place: no larger than the page cache's
+/// folios (128 KiB, a readahead window's, and more), so that those let go can serve it.
+pub const COPIED_FOLIO: u64 = 128 << 10;
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Priority {
@@ -907,8 +910,8 @@ impl Inner {
         while *allocated < to {
             let (a, b) = self.range((*allocated / CHUNK) as usize);
             let step = match (self.source.fetched)(a, b - a) {
-                Fetched::PageCache => self.step.min(PAGE_CACHE_FOLIO),
-                Fetched::Dma | Fetched::Copied => self.step,
+                Fetched::PageCache | Fetched::Copied => self.step.min(COPIED_FOLIO),
+                Fetched::Dma => self.step,
             };
             let end = b.min(to);
             crate::memfs::allocate_range(f, *allocated, end, step)?;
@@ -1044,7 +1047,7 @@ impl SealedReader {
     /// lock that [`SealedReader::let_go_kept`] takes after the verdict). The copy replaces
     /// them: kept, they would double the memory the shard takes. And let go as the fill
     /// goes, they are the memory the next chunks of the copy are made of (see
-    /// [`Fetched::PageCache`]).
+    /// [`Fetched`]).
     fn let_go(&self, off: u64, len: u64, hashed: impl FnOnce() -> bool) {
         let mut kept = self.kept.lock();
         if hashed() {

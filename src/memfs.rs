@@ -9,9 +9,9 @@
 //! The page size is chosen per mount ([`Pages`]): 1 MiB folios where the kernel gives a
 //! tmpfs mounted `huge=within_size` folios as large as each allocation (Linux 6.14+), else
 //! 2 MiB pages (`huge=always`). Both serve reads as fast as the page cache of a plain file,
-//! where 4 KiB pages take three times the CPU and 64 KiB folios a third more time; 1 MiB
-//! folios are also cheap to fill on a VM whose host takes back free blocks of 2 MiB and more
-//! (free page reporting), where fresh 2 MiB pages cost 1.4-3.3 s of CPU per GiB
+//! where 4 KiB pages take three times the CPU. A fill may allocate in smaller steps where
+//! that lets it reuse memory (`fill::COPIED_FOLIO`); a VM whose host takes back free
+//! blocks of 2 MiB and more (free page reporting) charges 2-3 s per GiB for fresh memory
 //! (docs/PERFORMANCE.md, "First load").
 
 use std::fs::File;
