@@ -80,9 +80,11 @@ pub struct Input {
     pub decode: Box<DecodeFn>,
     pub check: Option<Arc<CheckFn>>,
     pub prefetch: Option<Box<PrefetchFn>>,
-    /// How `fetch` brings the sealed bytes of `[off, off + len)`: it decides how the
-    /// chunk's memory is made (see [`Fetched`]).
-    pub fetched: Box<FetchedFn>,
+    /// Whether `fetch` writes `[off, off + len)` of the copy by DMA (`O_DIRECT`). Such a
+    /// chunk's fresh pages are faulted in a chunk ahead, on another core: a DMA read
+    /// first waits for every page to be cleared. A CPU copy is left to clear each page as
+    /// it writes it, while the page is in the cache.
+    pub fetch_is_dma: Box<RangeFn>,
     /// How many chunks may be fetched at once, each by its own thread straight into its
     /// place, ahead of the unlock (a remote source: many GETs in flight). 1: the next chunk
     /// is fetched beside the unlock of the current one.
@@ -96,33 +98,8 @@ pub struct Input {
     pub completed: Option<Box<dyn Fn() + Send + Sync>>,
 }
 
-/// How the sealed bytes of `[off, off + len)` reach the copy.
-pub type FetchedFn = dyn Fn(u64, u64) -> Fetched + Send + Sync;
-
-/// How a chunk's sealed bytes reach its place in the copy, which decides how the chunk's
-/// memory is made.
-///
-/// A chunk the CPU copies into place is allocated in folios of [`COPIED_FOLIO`]: on a VM
-/// whose host takes back the free blocks the guest reports (2 MiB and more), fresh memory
-/// costs 2-3 s per GiB to touch, while folios this small are made of memory the host still
-/// backs: the sealed file's page cache let go a chunk before, and the smaller free blocks,
-/// which are never reported (docs/PERFORMANCE.md, "Fresh memory on this VM").
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum Fetched {
-    /// By DMA (`O_DIRECT`) from the disk, into folios of the memory's own size (1 MiB
-    /// where the kernel makes them: a little faster to read back). Such a chunk's fresh
-    /// pages are faulted in a chunk ahead, on another core: a DMA read first waits for
-    /// every page to be cleared.
-    Dma,
-    /// Copied from the sealed file's page cache, whose pages are then let go.
-    PageCache,
-    /// Copied from elsewhere (a remote source's GETs).
-    Copied,
-}
-
-/// The folio size of chunks the CPU copies into place: no larger than the page cache's
-/// folios (128 KiB, a readahead window's, and more), so that those let go can serve it.
-pub const COPIED_FOLIO: u64 = 128 << 10;
+/// A question about the sealed bytes of `[off, off + len)`.
+pub type RangeFn = dyn Fn(u64, u64) -> bool + Send + Sync;
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Priority {
@@ -334,15 +311,12 @@ impl Fill {
             },
             None => None,
         };
-        let fetched: Box<FetchedFn> = match &local {
+        let fetch_is_dma: Box<RangeFn> = match &local {
             Some(r) => {
                 let r = r.clone();
-                Box::new(move |off, len| match r.reads_direct(off, len) {
-                    true => Fetched::Dma,
-                    false => Fetched::PageCache,
-                })
+                Box::new(move |off, len| r.reads_direct(off, len))
             }
-            None => Box::new(|_, _| Fetched::Copied),
+            None => Box::new(|_, _| false),
         };
         // Without O_DIRECT the page cache brings the sealed bytes: ask for them ahead.
         let prefetch: Option<Box<PrefetchFn>> = match &local {
@@ -396,7 +370,7 @@ impl Fill {
             decode: Box::new(decode),
             check,
             prefetch,
-            fetched,
+            fetch_is_dma,
             fetch_ahead,
             digest,
             completed,
@@ -661,7 +635,7 @@ impl Inner {
                 let next = next.filter(|&j| !fetched[j]);
                 let then = then.filter(|&k| {
                     let (e, f) = self.range(k);
-                    next.is_some() && (self.source.fetched)(e, f - e) == Fetched::Dma
+                    next.is_some() && (self.source.fetch_is_dma)(e, f - e)
                 });
                 // SAFETY: as above; `i` and `next` are different chunks.
                 let buf = unsafe { self.chunk_mut(i) };
@@ -897,26 +871,16 @@ impl Inner {
         }
     }
 
-    /// Allocate the file's memory in order up to `to`; `allocated` is how far it is. Each
-    /// chunk's folios are sized by how its bytes are fetched (see [`Fetched`]).
+    /// Allocate the file's memory in order up to `to`; `allocated` is how far it is.
     fn allocate(&self, allocated: &mut u64, to: u64) -> io::Result<()> {
         if *allocated >= to {
             return Ok(());
         }
-        let file = self.file.lock();
-        let f = file
-            .as_ref()
-            .ok_or_else(|| io::Error::other("the file is sealed"))?;
-        while *allocated < to {
-            let (a, b) = self.range((*allocated / CHUNK) as usize);
-            let step = match (self.source.fetched)(a, b - a) {
-                Fetched::PageCache | Fetched::Copied => self.step.min(COPIED_FOLIO),
-                Fetched::Dma => self.step,
-            };
-            let end = b.min(to);
-            crate::memfs::allocate_range(f, *allocated, end, step)?;
-            *allocated = end;
+        match self.file.lock().as_ref() {
+            Some(f) => crate::memfs::allocate_range(f, *allocated, to, self.step)?,
+            None => return Err(io::Error::other("the file is sealed")),
         }
+        *allocated = to;
         Ok(())
     }
 
@@ -1046,8 +1010,9 @@ impl SealedReader {
     /// in the copy, or once the file's hash is done with them (`hashed`, asked under the
     /// lock that [`SealedReader::let_go_kept`] takes after the verdict). The copy replaces
     /// them: kept, they would double the memory the shard takes. And let go as the fill
-    /// goes, they are the memory the next chunks of the copy are made of (see
-    /// [`Fetched`]).
+    /// goes, they are the memory the next chunks of the copy are made of: memory the host
+    /// still backs, where fresh memory on a VM with free page reporting costs 2-3 s per GiB
+    /// to touch (see `memfs::Pages`).
     fn let_go(&self, off: u64, len: u64, hashed: impl FnOnce() -> bool) {
         let mut kept = self.kept.lock();
         if hashed() {
@@ -1293,7 +1258,7 @@ mod tests {
             decode: Box::new(move |off, buf| e(off, buf)),
             check,
             prefetch,
-            fetched: Box::new(|_, _| Fetched::Copied),
+            fetch_is_dma: Box::new(|_, _| false),
             fetch_ahead: 1,
             digest: None,
             completed: None,
@@ -1572,7 +1537,7 @@ mod tests {
             check: None,
             prefetch: None,
             // With one fetch at a time, the chunk after the next is faulted in beside it.
-            fetched: Box::new(|_, _| Fetched::Dma),
+            fetch_is_dma: Box::new(|_, _| true),
             fetch_ahead,
             digest: None,
             completed: None,

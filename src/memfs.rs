@@ -6,13 +6,15 @@
 //! they never have a name, and live until the last descriptor and the last mapping of them
 //! are gone.
 //!
-//! The page size is chosen per mount ([`Pages`]): 1 MiB folios where the kernel gives a
+//! The page size is chosen per mount ([`Pages`]): 128 KiB folios where the kernel gives a
 //! tmpfs mounted `huge=within_size` folios as large as each allocation (Linux 6.14+), else
-//! 2 MiB pages (`huge=always`). Both serve reads as fast as the page cache of a plain file,
-//! where 4 KiB pages take three times the CPU. A fill may allocate in smaller steps where
-//! that lets it reuse memory (`fill::COPIED_FOLIO`); a VM whose host takes back free
-//! blocks of 2 MiB and more (free page reporting) charges 2-3 s per GiB for fresh memory
-//! (docs/PERFORMANCE.md, "First load").
+//! 2 MiB pages (`huge=always`). Both serve reads about as fast as the page cache of a plain
+//! file, where 4 KiB pages take three times the CPU. And 128 KiB folios are made of memory
+//! the host still backs: on a VM whose host takes back the free blocks the guest reports
+//! (free page reporting: 2 MiB and more), a fresh 1 or 2 MiB block costs 2-3 s per GiB to
+//! touch, while the smaller free blocks are never reported, and the sealed file's page
+//! cache, which a fill lets go chunk by chunk, comes back as folios of 128 KiB and more
+//! (docs/PERFORMANCE.md, "Fresh memory on this VM").
 
 use std::fs::File;
 use std::io;
@@ -29,8 +31,8 @@ use rustix::mount::{FsMountFlags, FsOpenFlags, MountAttrFlags};
 pub enum Pages {
     /// 2 MiB pages: `huge=always`, memory allocated in any steps.
     Huge,
-    /// 1 MiB folios: `huge=within_size`, memory allocated 1 MiB at a time in file order.
-    Folio1M,
+    /// 128 KiB folios: `huge=within_size`, memory allocated 128 KiB at a time in file order.
+    Folio128K,
 }
 
 impl Pages {
@@ -38,21 +40,21 @@ impl Pages {
     pub fn step(self) -> u64 {
         match self {
             Pages::Huge => 2 << 20,
-            Pages::Folio1M => 1 << 20,
+            Pages::Folio128K => 128 << 10,
         }
     }
 
     fn huge_option(self) -> &'static str {
         match self {
             Pages::Huge => "always",
-            Pages::Folio1M => "within_size",
+            Pages::Folio128K => "within_size",
         }
     }
 
     pub fn name(self) -> &'static str {
         match self {
             Pages::Huge => "2 MiB",
-            Pages::Folio1M => "1 MiB",
+            Pages::Folio128K => "128 KiB",
         }
     }
 }
@@ -82,11 +84,11 @@ impl Drop for Reservation {
 }
 
 impl MemoryFs {
-    /// A tmpfs of at most `budget` bytes, with 1 MiB folios where the kernel makes them.
+    /// A tmpfs of at most `budget` bytes, with 128 KiB folios where the kernel makes them.
     /// Needs CAP_SYS_ADMIN; fails on kernels without the new mount API or without
     /// `noswap`, since decoded bytes must never reach swap.
     pub fn new(budget: u64) -> io::Result<MemoryFs> {
-        let folios = MemoryFs::with_pages(budget, Pages::Folio1M)?;
+        let folios = MemoryFs::with_pages(budget, Pages::Folio128K)?;
         if folios.makes_folios() {
             return Ok(folios);
         }

@@ -134,8 +134,9 @@ impl ServeMode {
         let note = self.note.as_deref().unwrap_or("");
         match (self.describe(), &self.memory) {
             (("passthrough", _), Some(m)) => log::warn!(
-                "serving in passthrough mode: the kernel reads decoded shards from private memory (budget {} MiB; {note})",
-                m.budget() >> 20
+                "serving in passthrough mode: the kernel reads decoded shards from private memory (budget {} MiB in {} folios; {note})",
+                m.budget() >> 20,
+                m.pages().name()
             ),
             ((_, why), _) => log::warn!(
                 "serving through FUSE: {} ({note})",
@@ -1168,7 +1169,7 @@ mod tests {
             decode: Box::new(make),
             check: None,
             prefetch: None,
-            fetched: Box::new(|_, _| crate::fill::Fetched::Copied),
+            fetch_is_dma: Box::new(|_, _| false),
             fetch_ahead: 1,
             digest: None,
             completed: None,
