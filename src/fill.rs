@@ -325,7 +325,6 @@ impl Fill {
             }
             _ => None,
         };
-        // Any other source by its own reads, as many at once as it gains from.
         // The page cache's copy of the sealed bytes goes once they are in the copy and the
         // file's hash (which reads them beside the fill) is done with them.
         let check: Option<Arc<CheckFn>> = match (&node.integrity, &local) {
@@ -340,6 +339,7 @@ impl Fill {
             (Some(_), None) => Some(Arc::new(move || c.verify(ino))),
             (None, _) => None,
         };
+        // Any other source by its own reads, as many at once as it gains from.
         let fetch_ahead = match (&local, &object) {
             (None, Some(o)) => o.parallel_reads().max(1),
             _ => 1,
