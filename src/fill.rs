@@ -60,11 +60,34 @@ pub type SealFn = dyn FnOnce(File) -> io::Result<MemoryFile> + Send;
 pub struct Target {
     pub file: File,
     pub len: u64,
-    /// Allocation step (see `memfs::allocate_range`); 0 when the file is allocated already.
-    pub step: u64,
+    pub steps: Steps,
     pub seal: Box<SealFn>,
     /// The budget claimed for the file, given back when the fill is dropped.
     pub reservation: Option<crate::memfs::Reservation>,
+}
+
+/// Allocation steps (see `memfs::allocate_range`), which set the folio size, by the fill's
+/// priority; 0 when the file is allocated already.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Steps {
+    /// While no one waits (decode ahead): large folios. On a VM whose host takes back the
+    /// free blocks the guest reports, they are made of the memory that is dear to touch,
+    /// which leaves the memory the host still backs to the processes that wait meanwhile
+    /// (an engine importing, then loading); and they read back a little faster.
+    pub ahead: u64,
+    /// When an open or a read waits: folios made of memory the host still backs (see
+    /// `memfs::Pages`).
+    pub demand: u64,
+}
+
+impl Steps {
+    /// One step whatever the priority.
+    pub fn same(step: u64) -> Steps {
+        Steps {
+            ahead: step,
+            demand: step,
+        }
+    }
 }
 
 /// Brings the sealed bytes at an offset into a buffer, to be unlocked in place.
@@ -160,7 +183,7 @@ enum Fetch {
 
 struct Inner {
     len: u64,
-    step: u64,
+    steps: Steps,
     _reservation: Option<crate::memfs::Reservation>,
     /// The writable shared mapping of the file being filled; read-only once complete.
     map: Option<memmap2::MmapRaw>,
@@ -196,7 +219,7 @@ impl Fill {
         let Target {
             file,
             len,
-            step,
+            steps,
             seal,
             reservation,
         } = target;
@@ -216,7 +239,7 @@ impl Fill {
         let n = len.div_ceil(CHUNK) as usize;
         let inner = Arc::new(Inner {
             len,
-            step,
+            steps,
             _reservation: reservation,
             map,
             file: Mutex::new(Some(file)),
@@ -378,7 +401,10 @@ impl Fill {
         let target = Target {
             file: memory.create()?,
             len: node.attr.size,
-            step: memory.pages().step(),
+            steps: Steps {
+                ahead: memory.pages().background_step(),
+                demand: memory.pages().step(),
+            },
             seal: Box::new(crate::memfs::seal),
             reservation: Some(reservation),
         };
@@ -621,7 +647,9 @@ impl Inner {
                 (i, next, then, s.priority)
             };
             let (a, b) = self.range(i);
-            let mut result = self.allocate(&mut allocated, b).map_err(ReadError::Io);
+            let mut result = self
+                .allocate(&mut allocated, b, priority)
+                .map_err(ReadError::Io);
             if result.is_ok() && !fetched[i] {
                 // SAFETY: chunk `i` is Busy: only this thread touches its bytes until it
                 // is marked Done or Failed below.
@@ -645,7 +673,10 @@ impl Inner {
                         // Chunk `k` is Pending: nothing reads or writes it until this
                         // thread takes it, and faulting pages in leaves their bytes as they
                         // are.
-                        if self.allocate(&mut allocated, self.range(k).1).is_ok() {
+                        if self
+                            .allocate(&mut allocated, self.range(k).1, priority)
+                            .is_ok()
+                        {
                             // SAFETY: see above; `k` differs from `i` and `next`.
                             let mem = unsafe { self.chunk_mut(k) };
                             scope.spawn(move || crate::memfs::fault_in(mem));
@@ -653,7 +684,7 @@ impl Inner {
                     }
                     if let Some(j) = next {
                         let (c, d) = self.range(j);
-                        fetched[j] = self.allocate(&mut allocated, d).is_ok()
+                        fetched[j] = self.allocate(&mut allocated, d, priority).is_ok()
                             // SAFETY: see above; the chunk's memory is allocated.
                             && (self.source.fetch)(c, unsafe { self.chunk_mut(j) }).is_ok();
                     }
@@ -714,7 +745,9 @@ impl Inner {
             };
             let (a, b) = self.range(i);
             let top = jobs.iter().max().map_or(b, |&j| self.range(j).1.max(b));
-            let mut result = self.allocate(&mut allocated, top).map_err(ReadError::Io);
+            let mut result = self
+                .allocate(&mut allocated, top, priority)
+                .map_err(ReadError::Io);
             {
                 let mut s = self.state.lock();
                 for &j in jobs.iter().rev() {
@@ -864,20 +897,25 @@ impl Inner {
     /// in file order up to the chunk decoded, so that the page size stays the step's even
     /// when a reader moves the decoder ahead (a step of 0: allocated already).
     fn allocated_at_start(&self) -> u64 {
-        if self.step == 0 {
+        if self.steps.demand == 0 {
             self.len
         } else {
             0
         }
     }
 
-    /// Allocate the file's memory in order up to `to`; `allocated` is how far it is.
-    fn allocate(&self, allocated: &mut u64, to: u64) -> io::Result<()> {
+    /// Allocate the file's memory in order up to `to`, in the steps of the fill's
+    /// `priority`; `allocated` is how far it is.
+    fn allocate(&self, allocated: &mut u64, to: u64, priority: Priority) -> io::Result<()> {
         if *allocated >= to {
             return Ok(());
         }
+        let step = match priority {
+            Priority::Ahead => self.steps.ahead,
+            Priority::Demand => self.steps.demand,
+        };
         match self.file.lock().as_ref() {
-            Some(f) => crate::memfs::allocate_range(f, *allocated, to, self.step)?,
+            Some(f) => crate::memfs::allocate_range(f, *allocated, to, step)?,
             None => return Err(io::Error::other("the file is sealed")),
         }
         *allocated = to;
@@ -1238,7 +1276,7 @@ mod tests {
         Target {
             file: tempfile::tempfile().unwrap(),
             len,
-            step: 1 << 20,
+            steps: Steps::same(1 << 20),
             seal: Box::new(crate::memfs::seal),
             reservation: None,
         }
@@ -1279,6 +1317,66 @@ mod tests {
         for (i, &b) in got.iter().enumerate() {
             assert_eq!(b, byte(off + i as u64), "byte {}", off + i as u64);
         }
+    }
+
+    /// Decode ahead takes 1 MiB folios, a fill someone waits for 128 KiB ones (`Steps`):
+    /// read off the kernel's machine-wide counters of shmem folios made, which only this
+    /// test of the library's moves for 1 MiB.
+    #[test]
+    fn decode_ahead_takes_1_mib_folios_and_a_waited_for_fill_128_kib() {
+        use crate::memfs::{shmem_folios_made, Pages};
+        let Some(mem) = crate::memfs::tests::memory_fs(64 << 20) else {
+            return;
+        };
+        if mem.pages() != Pages::Folios {
+            eprintln!("skipped: this kernel makes no tmpfs folios below 2 MiB");
+            return;
+        }
+        let len = 8 * CHUNK;
+        let fill_at = |p: Priority| {
+            let target = Target {
+                file: mem.create().unwrap(),
+                len,
+                steps: Steps {
+                    ahead: mem.pages().background_step(),
+                    demand: mem.pages().step(),
+                },
+                seal: Box::new(crate::memfs::seal),
+                reservation: None,
+            };
+            let f = Fill::start(target, source(decode_ok), p, "test".into()).unwrap();
+            // At its own priority: `wait_complete` would raise it.
+            f.wait_done();
+            let done = f.complete().expect("the fill completes");
+            let mut got = vec![0; len as usize];
+            std::os::unix::fs::FileExt::read_exact_at(done.file(), &mut got, 0).unwrap();
+            expect(0, &got);
+        };
+        let counts = || (shmem_folios_made(128 << 10), shmem_folios_made(1 << 20));
+        let (Some(small), Some(large)) = counts() else {
+            eprintln!("skipped: no shmem folio counters");
+            return;
+        };
+        fill_at(Priority::Demand);
+        let (Some(small_after), Some(large_after)) = counts() else {
+            unreachable!()
+        };
+        assert!(
+            small_after >= small + len / (128 << 10),
+            "{small} -> {small_after}"
+        );
+        assert!(
+            large_after < large + len / (1 << 20),
+            "{large} -> {large_after}"
+        );
+        fill_at(Priority::Ahead);
+        let Some(large_ahead) = shmem_folios_made(1 << 20) else {
+            unreachable!()
+        };
+        assert!(
+            large_ahead >= large_after + len / (1 << 20),
+            "{large_after} -> {large_ahead}"
+        );
     }
 
     #[test]

@@ -6,15 +6,16 @@
 //! they never have a name, and live until the last descriptor and the last mapping of them
 //! are gone.
 //!
-//! The page size is chosen per mount ([`Pages`]): 128 KiB folios where the kernel gives a
-//! tmpfs mounted `huge=within_size` folios as large as each allocation (Linux 6.14+), else
-//! 2 MiB pages (`huge=always`). Both serve reads about as fast as the page cache of a plain
-//! file, where 4 KiB pages take three times the CPU. And 128 KiB folios are made of memory
-//! the host still backs: on a VM whose host takes back the free blocks the guest reports
-//! (free page reporting: 2 MiB and more), a fresh 1 or 2 MiB block costs 2-3 s per GiB to
-//! touch, while the smaller free blocks are never reported, and the sealed file's page
-//! cache, which a fill lets go chunk by chunk, comes back as folios of 128 KiB and more
-//! (docs/PERFORMANCE.md, "Fresh memory on this VM").
+//! The page size is chosen per mount ([`Pages`]): folios where the kernel gives a tmpfs
+//! mounted `huge=within_size` folios as large as each allocation (Linux 6.14+), else 2 MiB
+//! pages (`huge=always`). Both serve reads about as fast as the page cache of a plain file,
+//! where 4 KiB pages take three times the CPU. Memory someone waits for comes in 128 KiB
+//! folios, made of memory the host still backs: on a VM whose host takes back the free
+//! blocks the guest reports (free page reporting: 2 MiB and more), a fresh 1 or 2 MiB block
+//! costs 2-3 s per GiB to touch, while the smaller free blocks are never reported, and the
+//! sealed file's page cache, which a fill lets go chunk by chunk, comes back as folios of
+//! 128 KiB and more. Memory no one waits for yet comes in 1 MiB folios, leaving those to
+//! the processes that wait (docs/PERFORMANCE.md, "Fresh memory on this VM").
 
 use std::fs::File;
 use std::io;
@@ -31,30 +32,42 @@ use rustix::mount::{FsMountFlags, FsOpenFlags, MountAttrFlags};
 pub enum Pages {
     /// 2 MiB pages: `huge=always`, memory allocated in any steps.
     Huge,
-    /// 128 KiB folios: `huge=within_size`, memory allocated 128 KiB at a time in file order.
-    Folio128K,
+    /// Folios as large as each allocation (`huge=within_size`): 128 KiB, or 1 MiB for
+    /// memory no one waits for yet; memory allocated in file order.
+    Folios,
 }
 
 impl Pages {
-    /// The largest allocation step that keeps this page size.
+    /// The allocation step for memory someone waits for: the largest that keeps this page
+    /// size.
     pub fn step(self) -> u64 {
         match self {
             Pages::Huge => 2 << 20,
-            Pages::Folio128K => 128 << 10,
+            Pages::Folios => 128 << 10,
+        }
+    }
+
+    /// The allocation step for memory no one waits for yet (decode ahead): 1 MiB folios,
+    /// which leave the smaller free blocks, memory the host still backs, to the processes
+    /// that wait meanwhile, and read back a little faster (`fill::Steps`).
+    pub fn background_step(self) -> u64 {
+        match self {
+            Pages::Huge => 2 << 20,
+            Pages::Folios => 1 << 20,
         }
     }
 
     fn huge_option(self) -> &'static str {
         match self {
             Pages::Huge => "always",
-            Pages::Folio128K => "within_size",
+            Pages::Folios => "within_size",
         }
     }
 
     pub fn name(self) -> &'static str {
         match self {
             Pages::Huge => "2 MiB",
-            Pages::Folio128K => "128 KiB",
+            Pages::Folios => "128 KiB and 1 MiB",
         }
     }
 }
@@ -84,11 +97,12 @@ impl Drop for Reservation {
 }
 
 impl MemoryFs {
-    /// A tmpfs of at most `budget` bytes, with 128 KiB folios where the kernel makes them.
+    /// A tmpfs of at most `budget` bytes, with folios sized by each allocation where the
+    /// kernel makes them.
     /// Needs CAP_SYS_ADMIN; fails on kernels without the new mount API or without
     /// `noswap`, since decoded bytes must never reach swap.
     pub fn new(budget: u64) -> io::Result<MemoryFs> {
-        let folios = MemoryFs::with_pages(budget, Pages::Folio128K)?;
+        let folios = MemoryFs::with_pages(budget, Pages::Folios)?;
         if folios.makes_folios() {
             return Ok(folios);
         }
@@ -129,18 +143,13 @@ impl MemoryFs {
     /// kernels make 4 KiB pages).
     fn makes_folios(&self) -> bool {
         let step = self.pages.step();
-        let stat = format!(
-            "/sys/kernel/mm/transparent_hugepage/hugepages-{}kB/stats/shmem_alloc",
-            step >> 10
-        );
-        let count = || -> Option<u64> { std::fs::read_to_string(&stat).ok()?.trim().parse().ok() };
         let probe = || -> Option<bool> {
-            let before = count()?;
+            let before = shmem_folios_made(step)?;
             let f = self.create().ok()?;
             for i in 0..4 {
                 rustix::fs::fallocate(&f, FallocateFlags::empty(), i * step, step).ok()?;
             }
-            Some(count()? >= before + 4)
+            Some(shmem_folios_made(step)? >= before + 4)
         };
         probe().unwrap_or(false)
     }
@@ -218,6 +227,16 @@ impl MemoryFs {
     }
 }
 
+/// How many shmem folios of `size` bytes the kernel has made since boot (machine-wide), where
+/// it counts them (Linux 6.10+, multi-size THP).
+pub fn shmem_folios_made(size: u64) -> Option<u64> {
+    let stat = format!(
+        "/sys/kernel/mm/transparent_hugepage/hugepages-{}kB/stats/shmem_alloc",
+        size >> 10
+    );
+    std::fs::read_to_string(stat).ok()?.trim().parse().ok()
+}
+
 /// Allocate the memory of `[from, to)` of `file`, `step` bytes at a time, growing the file:
 /// tmpfs sizes each folio by the allocation that makes it, so the step sets the page size.
 /// The kernel refuses (ENOSPC) past the tmpfs's size.
@@ -287,12 +306,12 @@ impl MemoryFile {
 }
 
 #[cfg(test)]
-mod tests {
+pub(crate) mod tests {
     use super::*;
     use std::os::unix::fs::FileExt;
 
     /// Needs CAP_SYS_ADMIN, as the daemon does; other users get `None` and the test says so.
-    fn memory_fs(budget: u64) -> Option<MemoryFs> {
+    pub(crate) fn memory_fs(budget: u64) -> Option<MemoryFs> {
         match MemoryFs::new(budget) {
             Ok(m) => Some(m),
             Err(e) if !rustix::process::geteuid().is_root() => {

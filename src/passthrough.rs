@@ -1177,7 +1177,7 @@ mod tests {
         let target = Target {
             file: tempfile::tempfile().unwrap(),
             len,
-            step: 1 << 20,
+            steps: crate::fill::Steps::same(1 << 20),
             seal: Box::new(crate::memfs::seal),
             reservation: None,
         };
