@@ -81,6 +81,14 @@ pub struct Steps {
 }
 
 impl Steps {
+    /// The steps of a private memory's page size.
+    pub fn of(pages: crate::memfs::Pages) -> Steps {
+        Steps {
+            ahead: pages.background_step(),
+            demand: pages.step(),
+        }
+    }
+
     /// One step whatever the priority.
     pub fn same(step: u64) -> Steps {
         Steps {
@@ -350,18 +358,16 @@ impl Fill {
         };
         // The page cache's copy of the sealed bytes goes once they are in the copy and the
         // file's hash (which reads them beside the fill) is done with them.
-        let check: Option<Arc<CheckFn>> = match (&node.integrity, &local) {
-            (Some(_), Some(r)) => {
-                let r = r.clone();
-                Some(Arc::new(move || {
-                    let verdict = c.verify(ino);
+        let check: Option<Arc<CheckFn>> = node.integrity.as_ref().map(|_| {
+            let reader = local.clone();
+            Arc::new(move || {
+                let verdict = c.verify(ino);
+                if let Some(r) = &reader {
                     r.let_go_kept();
-                    verdict
-                }))
-            }
-            (Some(_), None) => Some(Arc::new(move || c.verify(ino))),
-            (None, _) => None,
-        };
+                }
+                verdict
+            }) as Arc<CheckFn>
+        });
         // Any other source by its own reads, as many at once as it gains from.
         let fetch_ahead = match (&local, &object) {
             (None, Some(o)) => o.parallel_reads().max(1),
@@ -401,10 +407,7 @@ impl Fill {
         let target = Target {
             file: memory.create()?,
             len: node.attr.size,
-            steps: Steps {
-                ahead: memory.pages().background_step(),
-                demand: memory.pages().step(),
-            },
+            steps: Steps::of(memory.pages()),
             seal: Box::new(crate::memfs::seal),
             reservation: Some(reservation),
         };
@@ -1337,10 +1340,7 @@ mod tests {
             let target = Target {
                 file: mem.create().unwrap(),
                 len,
-                steps: Steps {
-                    ahead: mem.pages().background_step(),
-                    demand: mem.pages().step(),
-                },
+                steps: Steps::of(mem.pages()),
                 seal: Box::new(crate::memfs::seal),
                 reservation: None,
             };
@@ -1352,15 +1352,14 @@ mod tests {
             std::os::unix::fs::FileExt::read_exact_at(done.file(), &mut got, 0).unwrap();
             expect(0, &got);
         };
-        let counts = || (shmem_folios_made(128 << 10), shmem_folios_made(1 << 20));
-        let (Some(small), Some(large)) = counts() else {
+        if shmem_folios_made(128 << 10).is_none() || shmem_folios_made(1 << 20).is_none() {
             eprintln!("skipped: no shmem folio counters");
             return;
-        };
+        }
+        let made = |size| shmem_folios_made(size).expect("the counter read a moment ago");
+        let (small, large) = (made(128 << 10), made(1 << 20));
         fill_at(Priority::Demand);
-        let (Some(small_after), Some(large_after)) = counts() else {
-            unreachable!()
-        };
+        let (small_after, large_after) = (made(128 << 10), made(1 << 20));
         assert!(
             small_after >= small + len / (128 << 10),
             "{small} -> {small_after}"
@@ -1370,9 +1369,7 @@ mod tests {
             "{large} -> {large_after}"
         );
         fill_at(Priority::Ahead);
-        let Some(large_ahead) = shmem_folios_made(1 << 20) else {
-            unreachable!()
-        };
+        let large_ahead = made(1 << 20);
         assert!(
             large_ahead >= large_after + len / (1 << 20),
             "{large_after} -> {large_ahead}"
