@@ -3,10 +3,10 @@
 //!
 //! Engines spend 5-60 s importing and starting before they open a weight file; a mount
 //! started with the engine (or before it) uses that time, so the first open of each shard
-//! finds its copy decoded, or partly decoded (raised to full priority by the first read that
-//! waits for it). Shards are decoded one at a time, each on all cores in the background
-//! (`SCHED_IDLE`, so the engine's own start keeps the CPU). A shard that does not fit waits
-//! until copies are let go; a shard opened meanwhile is left to its open. Copies decoded ahead and not opened yet are the
+//! finds its copy decoded, or partly decoded and urged to full priority. Shards are decoded
+//! one at a time, each on all cores in the background (`SCHED_IDLE`, so the engine's own
+//! start keeps the CPU). A shard that does not fit waits until copies are let go; a shard
+//! opened meanwhile is left to its open. Copies decoded ahead and not opened yet are the
 //! last let go when an open needs room (`OpenTable::make_room`), and are kept until opened:
 //! their grace period starts at their last close.
 

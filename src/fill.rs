@@ -17,13 +17,10 @@
 //! never served from memory: a read that touches it decodes exactly its own range, which
 //! fails only if the range holds the bad bytes, and the fill never completes.
 //!
-//! Fills run in the background until someone waits for them: a thread pool and helper
-//! threads under `SCHED_IDLE`, which take only the cycles no other thread wants. So do fills
-//! decoded ahead of any open and fills an open started. The first read or open that waits
-//! for one raises it to the normal policy for the rest of the file. A read that fills the
-//! kernel's page cache (a mapping) does not wait: it decodes its own range
-//! ([`Undecoded::DecodeOwn`]), since the pages it fills are a decoded copy of their own and
-//! waiting would put the copy's fresh memory in its way too.
+//! Fills started ahead of any open (decode-ahead) run in the background: a thread pool and
+//! helper threads under `SCHED_IDLE`, which take only the cycles no other thread wants. The
+//! first reader or open that waits for one raises it to the normal policy for the rest of
+//! the file.
 
 use std::collections::VecDeque;
 use std::fs::File;
@@ -99,15 +96,6 @@ impl Steps {
             demand: step,
         }
     }
-}
-
-/// What a read of a filling file does about chunks not decoded yet.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum Undecoded {
-    /// Wait for them, moving the decoder there (raised to demand priority).
-    Wait,
-    /// Decode the read's own range, leaving the fill as it goes.
-    DecodeOwn,
 }
 
 /// Brings the sealed bytes at an offset into a buffer, to be unlocked in place.
@@ -472,7 +460,7 @@ impl Fill {
         }
     }
 
-    /// Raise the fill to demand priority, as a read that waits for it does.
+    /// Raise the fill to demand priority (an open is coming for it).
     pub fn urge(&self) {
         let mut s = self.inner.state.lock();
         self.inner.urge(&mut s);
@@ -482,12 +470,11 @@ impl Fill {
         self.inner.state.lock().priority
     }
 
-    /// Bytes `[off, off + out.len())` of the file, cut at its end: from memory where
-    /// decoded, else (per `undecoded`) waiting for the chunks not yet, moving the decoder to
-    /// them, or decoded for this read alone; a failed chunk's bytes are decoded for this
-    /// read alone. Never before the file's integrity verdict is good.
-    pub fn read(&self, off: u64, out: &mut [u8], undecoded: Undecoded) -> Result<usize, ReadError> {
-        let Some((end, ready)) = self.wait_for(off, out.len(), undecoded)? else {
+    /// Bytes `[off, off + out.len())` of the file, cut at its end: from memory once decoded
+    /// (waiting for the chunks not yet, and moving the decoder to them), else decoded for
+    /// this read alone. Never before the file's integrity verdict is good.
+    pub fn read(&self, off: u64, out: &mut [u8]) -> Result<usize, ReadError> {
+        let Some((end, ready)) = self.wait_for(off, out.len())? else {
             return Ok(0);
         };
         let inner = &self.inner;
@@ -513,16 +500,10 @@ impl Fill {
     }
 
     /// The decoded bytes `[off, off + len)`, cut at the file's end, in place in the copy
-    /// (waiting for chunks as `read` does, per `undecoded`), so a reply needs no copy of its
-    /// own. `None` where a chunk of the range failed or, not waited for, is not decoded yet:
-    /// `read` decodes such a range by itself.
-    pub fn decoded(
-        &self,
-        off: u64,
-        len: usize,
-        undecoded: Undecoded,
-    ) -> Result<Option<&[u8]>, ReadError> {
-        let Some((end, ready)) = self.wait_for(off, len, undecoded)? else {
+    /// (waiting for chunks as `read` does), so a reply needs no copy of its own. `None`
+    /// where a chunk of the range failed: `read` decodes such a range by itself.
+    pub fn decoded(&self, off: u64, len: usize) -> Result<Option<&[u8]>, ReadError> {
+        let Some((end, ready)) = self.wait_for(off, len)? else {
             return Ok(Some(&[]));
         };
         if !ready.iter().all(|&done| done) {
@@ -537,15 +518,9 @@ impl Fill {
     }
 
     /// Wait until every chunk of `[off, off + len)` (cut at the file's end) is decoded or
-    /// failed, moving the decoder to them (with `Undecoded::Wait`; else at once); the range's
-    /// end and, per chunk, whether it is decoded. `None` for an empty range. Never before
-    /// the file's verdict is good.
-    fn wait_for(
-        &self,
-        off: u64,
-        len: usize,
-        undecoded: Undecoded,
-    ) -> Result<Option<(u64, Vec<bool>)>, ReadError> {
+    /// failed, moving the decoder to them; the range's end and, per chunk, whether it is
+    /// decoded. `None` for an empty range. Never before the file's verdict is good.
+    fn wait_for(&self, off: u64, len: usize) -> Result<Option<(u64, Vec<bool>)>, ReadError> {
         let inner = &self.inner;
         if let Some(check) = &inner.source.check {
             check()?;
@@ -559,10 +534,7 @@ impl Fill {
         let mut ready = Vec::with_capacity(last - first + 1);
         let mut s = inner.state.lock();
         for i in first..=last {
-            while undecoded == Undecoded::Wait
-                && matches!(s.chunks[i], Chunk::Pending | Chunk::Busy)
-                && !s.cancelled
-            {
+            while matches!(s.chunks[i], Chunk::Pending | Chunk::Busy) && !s.cancelled {
                 if s.chunks[i] == Chunk::Pending && !s.wanted.contains(&i) {
                     s.wanted.push_back(i);
                 }
@@ -626,7 +598,7 @@ impl Inner {
             for &tid in &s.tids {
                 run_in_background(tid, false);
             }
-            log::debug!("{}: raised to demand priority by a read", self.label);
+            log::debug!("{}: decode ahead urged by an open", self.label);
         }
     }
 
@@ -1416,7 +1388,7 @@ mod tests {
             (len - 100, 4096),
         ] {
             let mut out = vec![0u8; n];
-            let got = f.read(off, &mut out, Undecoded::Wait).unwrap();
+            let got = f.read(off, &mut out).unwrap();
             assert_eq!(got as u64, (n as u64).min(len - off));
             expect(off, &out[..got]);
         }
@@ -1426,7 +1398,7 @@ mod tests {
         use std::os::unix::fs::FileExt;
         m.file().read_exact_at(&mut back, 2 * CHUNK + 5).unwrap();
         expect(2 * CHUNK + 5, &back);
-        assert_eq!(f.read(len, &mut back, Undecoded::Wait).unwrap(), 0);
+        assert_eq!(f.read(len, &mut back).unwrap(), 0);
     }
 
     #[test]
@@ -1442,7 +1414,7 @@ mod tests {
         let f = start(40 * CHUNK, source(slow), Priority::Demand);
         let mut out = vec![0u8; 4096];
         let t = Instant::now();
-        f.read(39 * CHUNK, &mut out, Undecoded::Wait).unwrap();
+        f.read(39 * CHUNK, &mut out).unwrap();
         expect(39 * CHUNK, &out);
         assert!(
             t.elapsed() < Duration::from_millis(600),
@@ -1451,64 +1423,6 @@ mod tests {
         );
         let seen = order.lock().clone();
         assert!(seen.len() < 10 && seen.contains(&39), "{seen:?}");
-        drop(f);
-    }
-
-    #[test]
-    fn a_read_that_decodes_its_own_range_neither_waits_for_nor_moves_the_fill() {
-        // Every chunk takes 30 ms in the fill. A read that fills the kernel's page cache
-        // (a mapping) gets its bytes decoded for itself at once, from decoded chunks where
-        // there are some, and leaves the fill in the background and in file order; a read
-        // that waits then raises it.
-        let unlocked = Arc::new(Mutex::new(Vec::new()));
-        let u = unlocked.clone();
-        let mut src = source(decode_ok);
-        src.unlock = Box::new(move |off, buf| {
-            u.lock().push(off / CHUNK);
-            std::thread::sleep(Duration::from_millis(30));
-            decode_ok(off, buf)
-        });
-        let f = start(40 * CHUNK, src, Priority::Ahead);
-        let t = Instant::now();
-        for off in [39 * CHUNK, 20 * CHUNK - 100, 0] {
-            let mut out = vec![0u8; 64 << 10];
-            let n = f.read(off, &mut out, Undecoded::DecodeOwn).unwrap();
-            assert_eq!(n, out.len());
-            expect(off, &out);
-        }
-        assert!(
-            t.elapsed() < Duration::from_millis(300),
-            "{:?}",
-            t.elapsed()
-        );
-        assert_eq!(
-            f.priority(),
-            Priority::Ahead,
-            "raised by a read that did not wait"
-        );
-        let seen = unlocked.lock().clone();
-        assert!(
-            seen.iter().enumerate().all(|(i, &c)| c == i as u64),
-            "moved out of file order: {seen:?}"
-        );
-        // A decoded chunk is served in place, without a decode of its own.
-        while f.inner.state.lock().chunks[0] != Chunk::Done {
-            std::thread::sleep(Duration::from_millis(5));
-        }
-        assert!(f
-            .decoded(39 * CHUNK, 4096, Undecoded::DecodeOwn)
-            .unwrap()
-            .is_none());
-        let first = f.decoded(0, 4096, Undecoded::DecodeOwn).unwrap().unwrap();
-        expect(0, first);
-        let mut out = vec![0u8; 4096];
-        f.read(39 * CHUNK, &mut out, Undecoded::Wait).unwrap();
-        expect(39 * CHUNK, &out);
-        assert_eq!(
-            f.priority(),
-            Priority::Demand,
-            "a read that waited left it behind"
-        );
         drop(f);
     }
 
@@ -1539,7 +1453,7 @@ mod tests {
                 std::thread::spawn(move || {
                     let cpu = thread_cpu();
                     let mut out = vec![0u8; 4096];
-                    f.read(k * 4096, &mut out, Undecoded::Wait).unwrap();
+                    f.read(k * 4096, &mut out).unwrap();
                     expect(k * 4096, &out);
                     thread_cpu() - cpu
                 })
@@ -1565,11 +1479,11 @@ mod tests {
         };
         let f = start(4 * CHUNK, source(decode), Priority::Demand);
         let mut out = vec![0u8; 4096];
-        let err = f.read(bad - 10, &mut out, Undecoded::Wait).unwrap_err();
+        let err = f.read(bad - 10, &mut out).unwrap_err();
         assert!(matches!(err, ReadError::Corrupt { .. }), "{err}");
-        f.read(2 * CHUNK + 8192, &mut out, Undecoded::Wait).unwrap();
+        f.read(2 * CHUNK + 8192, &mut out).unwrap();
         expect(2 * CHUNK + 8192, &out);
-        f.read(3 * CHUNK, &mut out, Undecoded::Wait).unwrap();
+        f.read(3 * CHUNK, &mut out).unwrap();
         expect(3 * CHUNK, &out);
         assert!(f.wait_complete(Duration::from_secs(30)).is_none());
         assert_eq!(f.progress(), Progress::Broken);
@@ -1589,17 +1503,14 @@ mod tests {
         let mut out = vec![0u8; 16];
         // The check runs once on its thread; a reader's call here stands in for the
         // view's verdict, which waits for that one hash.
-        f.read(0, &mut out, Undecoded::Wait).unwrap();
+        f.read(0, &mut out).unwrap();
         assert!(f.wait_complete(Duration::from_secs(30)).is_some());
         assert!(checked.load(Ordering::SeqCst));
 
         let altered = || Err(ReadError::Unverified("altered".into()));
         let bad = with(decode_ok, Some(Arc::new(altered)), None);
         let f = start(2 * CHUNK, bad, Priority::Demand);
-        assert!(matches!(
-            f.read(0, &mut out, Undecoded::Wait),
-            Err(ReadError::Unverified(_))
-        ));
+        assert!(matches!(f.read(0, &mut out), Err(ReadError::Unverified(_))));
         assert!(f.wait_complete(Duration::from_secs(30)).is_none());
         assert_eq!(f.progress(), Progress::Broken);
     }
@@ -1736,7 +1647,7 @@ mod tests {
         // Readers move the decoder around: the last chunk, the middle, then the rest.
         for &c in &[n - 1, n / 2, 0] {
             let mut out = vec![0u8; 8192];
-            f.read(c * CHUNK + 100, &mut out, Undecoded::Wait).unwrap();
+            f.read(c * CHUNK + 100, &mut out).unwrap();
             expect(c * CHUNK + 100, &out);
         }
         let m = f.wait_complete(Duration::from_secs(60)).expect("complete");
@@ -1840,10 +1751,7 @@ mod tests {
         let f = start(n * CHUNK, src, Priority::Demand);
         for c in 0..n {
             let mut out = vec![0u8; 4096];
-            assert_eq!(
-                f.read(c * CHUNK + 7, &mut out, Undecoded::Wait).unwrap(),
-                4096
-            );
+            assert_eq!(f.read(c * CHUNK + 7, &mut out).unwrap(), 4096);
             expect(c * CHUNK + 7, &out);
         }
         assert!(f.wait_complete(Duration::from_secs(60)).is_none());
@@ -1888,6 +1796,6 @@ mod tests {
     fn an_empty_file_completes_at_once() {
         let f = start(0, source(decode_ok), Priority::Demand);
         assert!(f.wait_complete(Duration::from_secs(5)).is_some());
-        assert_eq!(f.read(0, &mut [0u8; 8], Undecoded::Wait).unwrap(), 0);
+        assert_eq!(f.read(0, &mut [0u8; 8]).unwrap(), 0);
     }
 }

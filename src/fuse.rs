@@ -10,7 +10,6 @@ use fuser::{
     ReplyDirectory, ReplyEmpty, ReplyEntry, ReplyOpen, ReplyStatfs, ReplyXattr, Request,
 };
 
-use crate::fill::Undecoded;
 use crate::metrics::Stats;
 use crate::passthrough::{Copies, Opened, Opens, Reclaim, ServeMode};
 use crate::pressure::Guard;
@@ -224,7 +223,7 @@ impl Filesystem for KllmFs {
         offset: u64,
         size: u32,
         _flags: OpenFlags,
-        lock_owner: Option<LockOwner>,
+        _lock_owner: Option<LockOwner>,
         reply: ReplyData,
     ) {
         // The bytes read, or why not, as the reply says them.
@@ -242,21 +241,10 @@ impl Filesystem for KllmFs {
                 reply.error(Errno::from_i32(e.errno()))
             }
         };
-        // A file served from its filling copy is opened FOPEN_DIRECT_IO: a read(2) comes
-        // with its lock owner, and a read without one fills the kernel's page cache (a
-        // mapping). Those pages are a decoded copy of their own, so such a read decodes its
-        // range rather than wait for the copy's chunk, which would put two first touches of
-        // fresh memory in its way; the copy fills on at its own pace for later opens.
-        let undecoded = if lock_owner.is_none() && self.direct_io_mmap {
-            Undecoded::DecodeOwn
-        } else {
-            Undecoded::Wait
-        };
         // From a decoded copy the reply is the copy's own bytes: no copy of our own.
-        // `None` where a chunk of the range failed or is left undecoded: the read path
-        // decodes that range itself.
+        // `None` where a chunk of the range failed: the read path decodes that range itself.
         if let Some(fill) = self.opens.fill_of(fh.0) {
-            if let Some(got) = fill.decoded(offset, size as usize, undecoded).transpose() {
+            if let Some(got) = fill.decoded(offset, size as usize).transpose() {
                 return answer(got, reply);
             }
         }
@@ -272,7 +260,7 @@ impl Filesystem for KllmFs {
                 }
             }
             let out = &mut buf.as_mut().expect("just made")[..size];
-            let got = self.opens.read(fh.0, ino.0, offset, out, undecoded);
+            let got = self.opens.read(fh.0, ino.0, offset, out);
             answer(got.map(|n| &out[..n]), reply)
         });
     }

@@ -19,7 +19,7 @@ use std::time::{Duration, Instant};
 use parking_lot::{Condvar, Mutex};
 
 use crate::ahead::Ahead;
-use crate::fill::{Fill, Priority, Undecoded};
+use crate::fill::{Fill, Priority};
 use crate::memfs::{MemoryFile, MemoryFs};
 use crate::pressure::Guard;
 use crate::view::{Content, Ino, Node, View};
@@ -317,16 +317,9 @@ impl<B: Send + Sync + 'static> Opens<B> {
     /// Bytes `[off, off + out.len())` of file `ino` for a read through FUSE on handle `fh`:
     /// from the file's decoded copy when the handle has one (filling or complete), else
     /// decoded for this read.
-    pub fn read(
-        &self,
-        fh: u64,
-        ino: Ino,
-        off: u64,
-        out: &mut [u8],
-        undecoded: Undecoded,
-    ) -> Result<usize, ReadError> {
+    pub fn read(&self, fh: u64, ino: Ino, off: u64, out: &mut [u8]) -> Result<usize, ReadError> {
         match self.table.fill_of(fh) {
-            Some(fill) => fill.read(off, out, undecoded),
+            Some(fill) => fill.read(off, out),
             None => self.view.read_into(ino, off, out),
         }
     }
@@ -377,9 +370,7 @@ impl<B: Send + Sync + 'static> Opens<B> {
                 &self.table,
                 &rules,
                 ino,
-                // In the background until a read waits for it (`Fill::read`): a mapping's
-                // reads decode their own pages and are not slowed by the copy.
-                Priority::Ahead,
+                Priority::Demand,
                 true,
             )
         };
@@ -783,9 +774,10 @@ impl<B> OpenTable<B> {
         });
         match complete.and_then(|m| make(&m)) {
             Some(backing) => self.passthrough(ino, &mut state, backing),
-            // Served from the filling copy, which stays at its priority until a read
-            // waits for it.
-            None => self.fuse(ino, &mut state),
+            None => {
+                fill.urge();
+                self.fuse(ino, &mut state)
+            }
         }
     }
 
@@ -1274,8 +1266,7 @@ mod tests {
             panic!("the first open of a filling copy is not served from it");
         };
         let mut buf = vec![0u8; 4096];
-        f.read(3 * CHUNK, &mut buf, crate::fill::Undecoded::Wait)
-            .unwrap();
+        f.read(3 * CHUNK, &mut buf).unwrap();
         assert_eq!(buf[0], ((3 * CHUNK) % 253) as u8);
         // A second open joins the first through FUSE and reads from the same copy.
         let b = t.open_copy(9, &WAIT, || panic!("decoded twice"), backed(&live));

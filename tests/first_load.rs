@@ -114,39 +114,6 @@ fn the_first_open_reads_while_the_copy_fills_and_later_opens_get_passthrough() {
 }
 
 #[test]
-fn a_mapping_opened_while_the_copy_fills_is_served_without_raising_the_fill() {
-    // The kernel fills a mapping's page cache with reads that carry no lock owner: they
-    // decode their own range, and the copy, started by the open, fills on in the
-    // background for the opens after it.
-    let s = sample();
-    let want = s.view()[BIG].clone();
-    evict(&s.sealed().join(BIG));
-    let m = Mnt::new();
-    let log = m.scratch().join("log");
-    mount(&s, &m, &log, &["--no-decode-ahead"]);
-    let f = File::open(m.path(BIG)).unwrap();
-    // SAFETY: the view is read-only and immutable while mounted.
-    let map = unsafe { memmap2::Mmap::map(&f) }.unwrap();
-    let pages: Vec<u8> = (0..want.len()).step_by(4096).map(|i| map[i]).collect();
-    let expected: Vec<u8> = (0..want.len()).step_by(4096).map(|i| want[i]).collect();
-    assert!(pages == expected, "mapped pages differ");
-    assert!(map[..] == want[..], "mmap differs");
-    let raised = log_lines(&log, &format!("{BIG}: raised to demand priority"));
-    assert!(
-        raised.is_empty(),
-        "a mapping's reads raised the fill: {raised:?}"
-    );
-    drop((map, f));
-    wait_for(60, "the copy completes", || decodes_of(&log, BIG) == 1);
-    wait_for(10, "a passthrough open of the copy", || {
-        let f = File::open(m.path(BIG)).unwrap();
-        assert!(read_all(&f, want.len()) == want, "passthrough bytes differ");
-        counter(&m, "passthrough_opens") > 0
-    });
-    assert_eq!(decodes_of(&log, BIG), 1, "decoded twice");
-}
-
-#[test]
 fn tensor_parallel_opens_during_the_fill_decode_once() {
     let s = sample();
     let m = Mnt::new();
