@@ -67,7 +67,7 @@ pub struct Target {
 }
 
 /// Allocation steps (see `memfs::allocate_range`), which set the folio size, by the fill's
-/// priority; 0 when the file is allocated already.
+/// priority.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct Steps {
     /// While no one waits (decode ahead): large folios. On a VM whose host takes back the
@@ -632,7 +632,7 @@ impl Inner {
     /// Every chunk, each fetched on this thread beside the unlock of the one before; false
     /// when the fill was cancelled.
     fn decode_in_turn(self: &Arc<Self>, failures: &mut usize) -> bool {
-        let mut allocated = self.allocated_at_start();
+        let mut allocated = 0;
         let mut fetched = vec![false; self.state.lock().chunks.len()];
         loop {
             let (i, next, then, priority) = {
@@ -705,7 +705,7 @@ impl Inner {
     /// chunk decoded on (the chunk decoded first in the queue), each unlocked here once its
     /// fetch is in while the fetchers go on; false when the fill was cancelled.
     fn decode_fetched_ahead(self: &Arc<Self>, failures: &mut usize) -> bool {
-        let mut allocated = self.allocated_at_start();
+        let mut allocated = 0;
         let n = self.len.div_ceil(CHUNK) as usize;
         // Fetches in flight start at a few and double with each chunk decoded: all of them
         // at once would share the link evenly, so the first chunk, which the decode and the
@@ -896,19 +896,10 @@ impl Inner {
         self.fetch_moved.notify_all();
     }
 
-    /// How far the file's memory is allocated before the first chunk: memory is allocated
-    /// in file order up to the chunk decoded, so that the page size stays the step's even
-    /// when a reader moves the decoder ahead (a step of 0: allocated already).
-    fn allocated_at_start(&self) -> u64 {
-        if self.steps.demand == 0 {
-            self.len
-        } else {
-            0
-        }
-    }
-
     /// Allocate the file's memory in order up to `to`, in the steps of the fill's
-    /// `priority`; `allocated` is how far it is.
+    /// `priority`; `allocated` is how far it is (0 at the start). Always in file order up to
+    /// the chunk decoded, so that the page size stays the step's even when a reader moves
+    /// the decoder ahead.
     fn allocate(&self, allocated: &mut u64, to: u64, priority: Priority) -> io::Result<()> {
         if *allocated >= to {
             return Ok(());
