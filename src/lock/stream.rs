@@ -1,12 +1,16 @@
 //! Key streams: AES-256-CTR for lock v1, ChaCha20 for lock v2. Both seek to any byte, so
 //! any range of a tensor decodes on its own.
 //!
-//! ChaCha20 has two implementations, and [`ChaCha::chosen`] picks one per process for the
-//! CPU: the `chacha20` crate where the CPU has AVX-512 (its AVX-512 backend, 7.2-7.5 GB/s on
-//! one core where we measured it), and elsewhere AWS-LC's assembly (already linked for TLS),
-//! which keeps 8 blocks in flight on AVX2 where the crate keeps 4: 2.08 against 3.2 GB/s on
-//! one core of an AVX2-only EPYC (`cargo bench --bench decode`). The key stream sets the
-//! pace of a lock-v2 decode, so this is most of the decode's speed on such machines.
+//! Each cipher has two implementations, and `chosen` picks one per process for the CPU.
+//! ChaCha20: the `chacha20` crate where the CPU has AVX-512 (its AVX-512 backend, 7.2-7.5
+//! GB/s on one core where we measured it), and elsewhere AWS-LC's assembly (already linked
+//! for TLS), which keeps 8 blocks in flight on AVX2 where the crate keeps 4: 2.08 against
+//! 3.2 GB/s on one core of an AVX2-only EPYC (`cargo bench --bench decode`). AES-256-CTR:
+//! AWS-LC's wherever it is linked, whose AES-NI code ran at 8.0-8.2 GB/s on one core of an
+//! AVX-512 EPYC against 5.4-5.5 for the `aes` crate 0.8 (the crate's 0.9 VAES backend
+//! reached 10.7 only when built for that CPU alone, and 4.4-5.9 as a portable build). The
+//! key stream sets the pace of a decode (2-4 bytes of it per plain byte), so this is most
+//! of the decode's speed.
 
 use std::sync::OnceLock;
 
@@ -23,21 +27,57 @@ type Aes256Ctr = ctr::Ctr128BE<aes::Aes256>;
 pub(super) fn fill(version: Version, key: &Secret, pos: u64, ks: &mut [u8]) {
     let key: &[u8; 32] = key.bytes();
     match version {
-        Version::V1 => aes_ctr(key, pos, ks),
+        Version::V1 => AesCtr::chosen().fill(key, pos, ks),
         Version::V2 => ChaCha::chosen().fill(key, pos, ks),
     }
 }
 
-/// Bytes `[pos, pos + ks.len())` of the AES-256-CTR stream keyed by `key` (lock v1: a
-/// 128-bit big-endian counter from 0) into `ks`.
-pub fn aes_ctr(key: &[u8; 32], pos: u64, ks: &mut [u8]) {
-    // cipher 0.4 has no write_keystream: the stream XORed onto zeros, read from `ZEROS`
-    // rather than written into `ks` first (one pass over the batch fewer).
-    let mut c = Aes256Ctr::new(key.into(), &[0u8; 16].into());
-    c.seek(pos);
-    for piece in ks.chunks_mut(ZEROS_LEN) {
-        c.apply_keystream_b2b(&ZEROS[..piece.len()], piece)
-            .expect("input and output of one length");
+/// An implementation of AES-256-CTR as lock v1 keys it (a 128-bit big-endian counter from
+/// 0, so byte `pos` of the stream is byte `pos % 16` of block `pos / 16`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum AesCtr {
+    /// The RustCrypto `aes` and `ctr` crates (AES-NI picked at run time).
+    Crate,
+    /// AWS-LC's `AES_ctr128_encrypt` (AES-NI 8 blocks at a time, vector-permute AES, or
+    /// plain code, picked at run time).
+    #[cfg(feature = "aws-lc")]
+    AwsLc,
+}
+
+impl AesCtr {
+    /// The faster implementation, decided once: AWS-LC's wherever it is linked.
+    pub fn chosen() -> AesCtr {
+        #[cfg(feature = "aws-lc")]
+        let chosen = AesCtr::AwsLc;
+        #[cfg(not(feature = "aws-lc"))]
+        let chosen = AesCtr::Crate;
+        chosen
+    }
+
+    pub fn label(self) -> &'static str {
+        match self {
+            AesCtr::Crate => "aes crate",
+            #[cfg(feature = "aws-lc")]
+            AesCtr::AwsLc => "AWS-LC",
+        }
+    }
+
+    /// Bytes `[pos, pos + ks.len())` of the stream keyed by `key` into `ks`.
+    pub fn fill(self, key: &[u8; 32], pos: u64, ks: &mut [u8]) {
+        match self {
+            AesCtr::Crate => {
+                // cipher 0.4 has no write_keystream: the stream XORed onto zeros, read from
+                // `ZEROS` rather than written into `ks` first (one pass over the batch fewer).
+                let mut c = Aes256Ctr::new(key.into(), &[0u8; 16].into());
+                c.seek(pos);
+                for piece in ks.chunks_mut(ZEROS_LEN) {
+                    c.apply_keystream_b2b(&ZEROS[..piece.len()], piece)
+                        .expect("input and output of one length");
+                }
+            }
+            #[cfg(feature = "aws-lc")]
+            AesCtr::AwsLc => aws_lc_aes_ctr(key, pos, ks),
+        }
     }
 }
 
@@ -106,6 +146,55 @@ const BLOCK: usize = 64;
 /// input of any call (a batch's stream is at most 32 KiB).
 const ZEROS_LEN: usize = 64 << 10;
 static ZEROS: [u8; ZEROS_LEN] = [0; ZEROS_LEN];
+
+#[cfg(feature = "aws-lc")]
+fn aws_lc_aes_ctr(key: &[u8; 32], pos: u64, ks: &mut [u8]) {
+    const AES_BLOCK: usize = 16;
+    let mut schedule = aws_lc_sys::AES_KEY {
+        rd_key: [0; 60],
+        rounds: 0,
+    };
+    // SAFETY: the key holds 32 bytes (256 bits), and `schedule` is an `AES_KEY` the
+    // function writes.
+    let set = unsafe { aws_lc_sys::AES_set_encrypt_key(key.as_ptr(), 256, &mut schedule) };
+    assert_eq!(set, 0, "AES_set_encrypt_key refused a 256-bit key");
+    let mut counter = u128::from(pos / AES_BLOCK as u64).to_be_bytes();
+    let mut ecount = [0u8; AES_BLOCK];
+    let mut num: std::os::raw::c_uint = 0;
+    // Each call XORs the stream from `counter` onto zeros and advances it; every call but
+    // the last covers whole blocks, so each starts on a block (`num` 0).
+    let mut ctr = |input: &[u8], out: &mut [u8]| {
+        debug_assert_eq!(input.len(), out.len());
+        // SAFETY: `input` and `out` hold `out.len()` bytes; the schedule, the 16-byte
+        // counter, the 16-byte block buffer and `num` are the function's to read and write.
+        unsafe {
+            aws_lc_sys::AES_ctr128_encrypt(
+                input.as_ptr(),
+                out.as_mut_ptr(),
+                out.len(),
+                &schedule,
+                counter.as_mut_ptr(),
+                ecount.as_mut_ptr(),
+                &mut num,
+            )
+        }
+    };
+    let skip = (pos % AES_BLOCK as u64) as usize;
+    let mut rest = ks;
+    if skip != 0 {
+        let mut first = [0u8; AES_BLOCK];
+        ctr(&ZEROS[..AES_BLOCK], &mut first);
+        let n = (AES_BLOCK - skip).min(rest.len());
+        rest[..n].copy_from_slice(&first[skip..skip + n]);
+        first.zeroize();
+        rest = &mut rest[n..];
+    }
+    for piece in rest.chunks_mut(ZEROS_LEN) {
+        ctr(&ZEROS[..piece.len()], piece);
+    }
+    ecount.zeroize();
+    schedule.rd_key.zeroize();
+}
 
 #[cfg(feature = "aws-lc")]
 fn aws_lc_chacha(key: &[u8; 32], pos: u64, ks: &mut [u8]) {
@@ -196,6 +285,34 @@ mod tests {
             let mut b = vec![0xAAu8; len];
             ChaCha::Crate.fill(&key, pos, &mut a);
             ChaCha::AwsLc.fill(&key, pos, &mut b);
+            assert!(a == b, "pos {pos} len {len}: the two streams differ");
+        }
+    }
+
+    /// Any position and length, across block and zero-buffer boundaries, gives the same
+    /// AES-256-CTR stream from both implementations, and the first block is AES-256 of a
+    /// zero counter (FIPS-197's cipher, checked by the crate's own test vectors).
+    #[cfg(feature = "aws-lc")]
+    #[test]
+    fn both_aes_implementations_agree_at_any_position() {
+        let mut rng = crate::testkit::SplitMix(12);
+        let key: [u8; 32] = std::array::from_fn(|i| i as u8 * 5 + 1);
+        for round in 0..200 {
+            let pos = match round % 4 {
+                0 => rng.below(1 << 20),
+                1 => rng.below(4096) * 16,
+                2 => (1u64 << 32) * 16 - 70_000 + rng.below(140_000),
+                _ => rng.below(1 << 40),
+            };
+            let len = match round % 3 {
+                0 => rng.below(40) as usize,
+                1 => rng.below(40_000) as usize,
+                _ => ZEROS_LEN + rng.below(48) as usize,
+            };
+            let mut a = vec![0u8; len];
+            let mut b = vec![0xAAu8; len];
+            AesCtr::Crate.fill(&key, pos, &mut a);
+            AesCtr::AwsLc.fill(&key, pos, &mut b);
             assert!(a == b, "pos {pos} len {len}: the two streams differ");
         }
     }
