@@ -382,7 +382,7 @@ def median(xs):
 
 
 def report(results, size, a):
-    server = "s3s-fs 0.14.1 as published" if a.stock_server else "s3s-fs 0.14.1, 1 MiB read buffer"
+    server = "s3s-fs 0.14.1 as published" if a.stock_server else "s3s-fs 0.14.1, 1 MiB read buffer, TCP_NODELAY"
     lines = [f"# Remote source: one {size / MiB:.0f} MiB shard from {server} on 127.0.0.1",
              "", f"{a.rounds} rounds, medians; MiB/s over the whole shard (mount included).", "",
              "| system | MiB/s | s | first byte s | daemon peak MiB |", "|---|---|---|---|---|"]
