@@ -33,6 +33,27 @@ fn sample_secs() -> f64 {
 }
 
 /// Median GB/s of `f`, which processes `bytes` per call.
+/// One row per implementation of a key stream, 1 MiB per call, the decoder's marked;
+/// returns the decoder's rate.
+fn stream_rows<F: Fn(u64, &mut [u8])>(
+    cipher: &str,
+    buf: &mut [u8],
+    imps: impl IntoIterator<Item = (&'static str, bool, F)>,
+) -> f64 {
+    let mut used_rate = 0.0;
+    for (label, used, fill) in imps {
+        let rate = measure(buf.len(), |i| fill((i % 1024) * buf.len() as u64, buf));
+        let mark = if used {
+            used_rate = rate;
+            ", the decoder's here"
+        } else {
+            ""
+        };
+        println!("| {cipher}, {label}{mark}, 1 MiB per call | {rate:.2} |");
+    }
+    used_rate
+}
+
 fn measure(bytes: usize, mut f: impl FnMut(u64)) -> f64 {
     // Warm up, and size a sample to about `sample_secs`.
     let t = Instant::now();
@@ -228,42 +249,26 @@ fn main() {
     println!("| key stream | GB/s of stream |");
     println!("|---|---:|");
     let mut buf = vec![0u8; BUF];
-    // Both ChaCha20 implementations (src/lock/stream.rs); the decoder uses `chosen`.
+    // Both implementations of each key stream (src/lock/stream.rs); the decoder uses
+    // `chosen`.
     let chosen = ChaCha::chosen();
-    let mut chacha = 0.0;
-    for imp in [ChaCha::Crate, ChaCha::AwsLc] {
-        let rate = measure(BUF, |i| {
-            imp.fill(&stream_key, (i % 1024) * BUF as u64, &mut buf)
-        });
-        let used = if imp == chosen {
-            chacha = rate;
-            ", the decoder's here"
-        } else {
-            ""
-        };
-        println!(
-            "| ChaCha20 (lock v2), {}{used}, 1 MiB per call | {rate:.2} |",
-            imp.label()
-        );
-    }
-    // Both AES-256-CTR implementations; the decoder uses `chosen`.
+    let chacha = stream_rows(
+        "ChaCha20 (lock v2)",
+        &mut buf,
+        [ChaCha::Crate, ChaCha::AwsLc].map(|imp| {
+            let fill = move |pos, ks: &mut [u8]| imp.fill(&stream_key, pos, ks);
+            (imp.label(), imp == chosen, fill)
+        }),
+    );
     let chosen_aes = AesCtr::chosen();
-    let mut aes = 0.0;
-    for imp in [AesCtr::Crate, AesCtr::AwsLc] {
-        let rate = measure(BUF, |i| {
-            imp.fill(&stream_key, (i % 1024) * BUF as u64, &mut buf)
-        });
-        let used = if imp == chosen_aes {
-            aes = rate;
-            ", the decoder's here"
-        } else {
-            ""
-        };
-        println!(
-            "| AES-256-CTR (lock v1), {}{used}, 1 MiB per call | {rate:.2} |",
-            imp.label()
-        );
-    }
+    let aes = stream_rows(
+        "AES-256-CTR (lock v1)",
+        &mut buf,
+        [AesCtr::Crate, AesCtr::AwsLc].map(|imp| {
+            let fill = move |pos, ks: &mut [u8]| imp.fill(&stream_key, pos, ks);
+            (imp.label(), imp == chosen_aes, fill)
+        }),
+    );
     // A new cipher and a seek for every 4096 codes (16 KiB of stream), as a batched
     // decoder that keys per batch does.
     let batch = 4096 * 4;
