@@ -37,6 +37,11 @@ use crate::ReadError;
 /// Bytes decoded as one step: large enough to spread over all cores, small enough that a
 /// first reader waits only milliseconds. A multiple of the 2 MiB page.
 pub const CHUNK: u64 = 8 << 20;
+/// The most a fill decoding ahead asks at once of a disk that others read. An engine
+/// importing beside it pages its libraries in with small reads, and each waits behind what
+/// the device is already reading (docs/PERFORMANCE.md, "Engines"). Alone on the disk, the
+/// fill reads whole chunks: 1 MiB reads one at a time fill slower.
+const BACKGROUND_PIECE: usize = 1 << 20;
 /// How far ahead of the decoder the sealed bytes are asked for.
 const PREFETCH_WINDOW: u64 = 64 << 20;
 const PREFETCH_STEP: u64 = 16 << 20;
@@ -116,6 +121,10 @@ pub struct Input {
     /// first waits for every page to be cleared. A CPU copy is left to clear each page as
     /// it writes it, while the page is in the cache.
     pub fetch_is_dma: Box<RangeFn>,
+    /// Whether other processes read the disk that `fetch` reads from, since it was last
+    /// asked: decode ahead then fetches in pieces of [`BACKGROUND_PIECE`]. `None`: fetched
+    /// whole whatever the priority (a source that is not a local disk).
+    pub disk_shared: Option<Box<dyn Fn() -> bool + Send + Sync>>,
     /// How many chunks may be fetched at once, each by its own thread straight into its
     /// place, ahead of the unlock (a remote source: many GETs in flight). 1: the next chunk
     /// is fetched beside the unlock of the current one.
@@ -349,6 +358,15 @@ impl Fill {
             }
             None => Box::new(|_, _| false),
         };
+        // Decode ahead yields the disk to other readers; where the disk's statistics are
+        // not to be had (no block device behind the file system), always.
+        let disk_shared = local.as_ref().map(|r| {
+            let share = crate::disk_share::DiskShare::of(&r.file);
+            Box::new(move || match &share {
+                Some(share) => share.others_read().is_none_or(|n| n > 0),
+                None => true,
+            }) as Box<dyn Fn() -> bool + Send + Sync>
+        });
         // Without O_DIRECT the page cache brings the sealed bytes: ask for them ahead.
         let prefetch: Option<Box<PrefetchFn>> = match &local {
             Some(r) if r.direct.is_none() => {
@@ -400,6 +418,7 @@ impl Fill {
             check,
             prefetch,
             fetch_is_dma,
+            disk_shared,
             fetch_ahead,
             digest,
             completed,
@@ -602,6 +621,27 @@ impl Inner {
         }
     }
 
+    /// Fetch a chunk's sealed bytes into `buf`: whole, unless the fill decodes ahead and
+    /// others read the same disk, in pieces of [`BACKGROUND_PIECE`] then (the priority is
+    /// asked again before each piece, so an open that urges the fill gets whole reads).
+    fn fetch_chunk(&self, off: u64, buf: &mut [u8]) -> io::Result<()> {
+        let shared = self
+            .source
+            .disk_shared
+            .as_ref()
+            .is_some_and(|shared| shared());
+        let mut done = 0;
+        while done < buf.len() {
+            let end = match self.state.lock().priority {
+                Priority::Ahead if shared => (done + BACKGROUND_PIECE).min(buf.len()),
+                _ => buf.len(),
+            };
+            (self.source.fetch)(off + done as u64, &mut buf[done..end])?;
+            done = end;
+        }
+        Ok(())
+    }
+
     fn range(&self, i: usize) -> (u64, u64) {
         let a = i as u64 * CHUNK;
         (a, (a + CHUNK).min(self.len))
@@ -656,8 +696,9 @@ impl Inner {
             if result.is_ok() && !fetched[i] {
                 // SAFETY: chunk `i` is Busy: only this thread touches its bytes until it
                 // is marked Done or Failed below.
-                result =
-                    (self.source.fetch)(a, unsafe { self.chunk_mut(i) }).map_err(ReadError::Io);
+                result = self
+                    .fetch_chunk(a, unsafe { self.chunk_mut(i) })
+                    .map_err(ReadError::Io);
             }
             fetched[i] = false;
             if result.is_ok() {
@@ -689,7 +730,7 @@ impl Inner {
                         let (c, d) = self.range(j);
                         fetched[j] = self.allocate(&mut allocated, d, priority).is_ok()
                             // SAFETY: see above; the chunk's memory is allocated.
-                            && (self.source.fetch)(c, unsafe { self.chunk_mut(j) }).is_ok();
+                            && self.fetch_chunk(c, unsafe { self.chunk_mut(j) }).is_ok();
                     }
                     unlocking
                         .join()
@@ -1291,6 +1332,7 @@ mod tests {
             check,
             prefetch,
             fetch_is_dma: Box::new(|_, _| false),
+            disk_shared: None,
             fetch_ahead: 1,
             digest: None,
             completed: None,
@@ -1624,11 +1666,88 @@ mod tests {
             prefetch: None,
             // With one fetch at a time, the chunk after the next is faulted in beside it.
             fetch_is_dma: Box::new(|_, _| true),
+            disk_shared: None,
             fetch_ahead,
             digest: None,
             completed: None,
         };
         (src, fetches, most)
+    }
+
+    /// A source that records the length of each fetch, on a disk that others read
+    /// (`shared`) or not, each fetch taking `pause`.
+    fn recording_source(shared: bool, pause: Duration) -> (Input, Arc<Mutex<Vec<usize>>>) {
+        let lens = Arc::new(Mutex::new(Vec::new()));
+        let l2 = lens.clone();
+        let src = Input {
+            fetch: Box::new(move |off, buf: &mut [u8]| {
+                l2.lock().push(buf.len());
+                std::thread::sleep(pause);
+                for (i, b) in buf.iter_mut().enumerate() {
+                    *b = byte(off + i as u64) ^ 0x5a;
+                }
+                Ok(())
+            }),
+            unlock: Box::new(|_, buf: &mut [u8]| {
+                buf.iter_mut().for_each(|b| *b ^= 0x5a);
+                Ok(())
+            }),
+            decode: Box::new(decode_ok),
+            check: None,
+            prefetch: None,
+            fetch_is_dma: Box::new(|_, _| false),
+            disk_shared: Some(Box::new(move || shared)),
+            fetch_ahead: 1,
+            digest: None,
+            completed: None,
+        };
+        (src, lens)
+    }
+
+    /// Decode ahead reads a disk that others read in pieces of `BACKGROUND_PIECE`, and
+    /// whole chunks when it has the disk to itself or someone waits for the fill (from the
+    /// piece after an open urges it); the bytes are exact either way.
+    #[test]
+    fn decode_ahead_reads_a_shared_disk_in_pieces() {
+        let n = 4;
+        let piece = BACKGROUND_PIECE;
+        let whole = CHUNK as usize;
+        for (shared, priority, want) in [
+            (true, Priority::Ahead, piece),
+            (false, Priority::Ahead, whole),
+            (true, Priority::Demand, whole),
+        ] {
+            let (src, lens) = recording_source(shared, Duration::ZERO);
+            let f = start(n * CHUNK, src, priority);
+            // Waiting for the fill would urge it: wait for its fetches first.
+            let t0 = std::time::Instant::now();
+            while lens.lock().iter().sum::<usize>() < (n * CHUNK) as usize {
+                assert!(t0.elapsed() < Duration::from_secs(60), "fetches stopped");
+                std::thread::sleep(Duration::from_millis(1));
+            }
+            let m = f.wait_complete(Duration::from_secs(60)).expect("complete");
+            let mut all = vec![0u8; (n * CHUNK) as usize];
+            use std::os::unix::fs::FileExt;
+            m.file().read_exact_at(&mut all, 0).unwrap();
+            expect(0, &all);
+            let lens = lens.lock();
+            assert!(
+                lens.iter().all(|&l| l == want),
+                "shared {shared}, {priority:?}: fetches of {lens:?}"
+            );
+            assert_eq!(lens.iter().sum::<usize>(), all.len());
+        }
+        let (src, lens) = recording_source(true, Duration::from_millis(5));
+        let f = start(n * CHUNK, src, Priority::Ahead);
+        while lens.lock().len() < 3 {
+            std::thread::sleep(Duration::from_millis(1));
+        }
+        f.urge();
+        f.wait_complete(Duration::from_secs(60)).expect("complete");
+        let lens = lens.lock();
+        assert_eq!(lens[0], piece, "{lens:?}");
+        assert_eq!(*lens.last().unwrap(), whole, "urged: {lens:?}");
+        assert_eq!(lens.iter().sum::<usize>(), (n * CHUNK) as usize);
     }
 
     fn each_chunk_fetched_once_and_unlocked_after_its_fetch(fetch_ahead: usize) -> usize {

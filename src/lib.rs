@@ -2,6 +2,7 @@ pub mod ahead;
 pub mod blob;
 pub mod budget;
 pub mod digest;
+pub mod disk_share;
 pub mod error;
 pub mod fill;
 pub mod kernel_mount;

@@ -1170,6 +1170,7 @@ mod tests {
             check: None,
             prefetch: None,
             fetch_is_dma: Box::new(|_, _| false),
+            disk_shared: None,
             fetch_ahead: 1,
             digest: None,
             completed: None,
