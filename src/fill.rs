@@ -18,9 +18,9 @@
 //! fails only if the range holds the bad bytes, and the fill never completes.
 //!
 //! Fills started ahead of any open (decode-ahead) run in the background: a thread pool and
-//! helper threads under `SCHED_IDLE`, which take only the cycles no other thread wants. The
-//! first reader or open that waits for one raises it to the normal policy for the rest of
-//! the file.
+//! helper threads under `SCHED_IDLE`, which take only the cycles no other thread wants, and
+//! reads of a disk that others read a piece at a time (`crate::disk_share`). The first reader
+//! or open that waits for one raises it to the normal policy for the rest of the file.
 
 use std::collections::VecDeque;
 use std::fs::File;
