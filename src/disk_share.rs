@@ -20,7 +20,8 @@ pub struct DiskShare {
 
 impl DiskShare {
     /// The disk `file` is on, or `None` where its device keeps no block statistics (a
-    /// network, overlay or btrfs file system: their device numbers name no block device).
+    /// network or btrfs file system, an overlay over several: device numbers that name no
+    /// block device).
     pub fn of(file: &File) -> Option<DiskShare> {
         use std::os::unix::fs::MetadataExt;
         let dev = file.metadata().ok()?.dev();
