@@ -625,16 +625,16 @@ impl Inner {
     /// others read the same disk, in pieces of [`BACKGROUND_PIECE`] then (the priority is
     /// asked again before each piece, so an open that urges the fill gets whole reads).
     fn fetch_chunk(&self, off: u64, buf: &mut [u8]) -> io::Result<()> {
-        let shared = self
-            .source
-            .disk_shared
-            .as_ref()
-            .is_some_and(|shared| shared());
+        // The disk is asked about only while decoding ahead (a fill someone waits for
+        // reads whole chunks whoever else reads the disk), once per chunk.
+        let ahead = || self.state.lock().priority == Priority::Ahead;
+        let shared = ahead() && self.source.disk_shared.as_ref().is_some_and(|s| s());
         let mut done = 0;
         while done < buf.len() {
-            let end = match self.state.lock().priority {
-                Priority::Ahead if shared => (done + BACKGROUND_PIECE).min(buf.len()),
-                _ => buf.len(),
+            let end = if shared && ahead() {
+                (done + BACKGROUND_PIECE).min(buf.len())
+            } else {
+                buf.len()
             };
             (self.source.fetch)(off + done as u64, &mut buf[done..end])?;
             done = end;
