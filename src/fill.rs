@@ -1631,6 +1631,36 @@ mod tests {
         assert!(n < 100);
     }
 
+    /// The "sealed" bytes of `[off, off + buf.len())`: what `xor_sealed`'s unlock turns into
+    /// view bytes.
+    fn seal_into(off: u64, buf: &mut [u8]) {
+        for (i, b) in buf.iter_mut().enumerate() {
+            *b = byte(off + i as u64) ^ 0x5a;
+        }
+    }
+
+    /// A source that fetches with `fetch` and unlocks what [`seal_into`] wrote, one fetch
+    /// at a time, on no shared disk.
+    fn xor_sealed(
+        fetch: impl Fn(u64, &mut [u8]) -> io::Result<()> + Send + Sync + 'static,
+    ) -> Input {
+        Input {
+            fetch: Box::new(fetch),
+            unlock: Box::new(|_, buf: &mut [u8]| {
+                buf.iter_mut().for_each(|b| *b ^= 0x5a);
+                Ok(())
+            }),
+            decode: Box::new(decode_ok),
+            check: None,
+            prefetch: None,
+            fetch_is_dma: Box::new(|_, _| false),
+            disk_shared: None,
+            fetch_ahead: 1,
+            digest: None,
+            completed: None,
+        }
+    }
+
     /// A source whose fetch writes the "sealed" bytes (after a pause) and whose unlock
     /// turns them into view bytes: a chunk unlocked before its fetch, or fetched twice over
     /// an unlocked chunk, reads wrong. Counts the fetches, and the most at once. The fetch
@@ -1642,34 +1672,23 @@ mod tests {
         let (fetches, most) = (Arc::new(AtomicUsize::new(0)), Arc::new(AtomicUsize::new(0)));
         let (f2, m2) = (fetches.clone(), most.clone());
         let running = Arc::new(AtomicUsize::new(0));
+        let fetch = move |off, buf: &mut [u8]| {
+            f2.fetch_add(1, Ordering::SeqCst);
+            let now = running.fetch_add(1, Ordering::SeqCst) + 1;
+            m2.fetch_max(now, Ordering::SeqCst);
+            std::thread::sleep(Duration::from_millis(5));
+            seal_into(off, buf);
+            running.fetch_sub(1, Ordering::SeqCst);
+            match failing {
+                Some(c) if off / CHUNK == c => Err(io::Error::other("no such part")),
+                _ => Ok(()),
+            }
+        };
         let src = Input {
-            fetch: Box::new(move |off, buf: &mut [u8]| {
-                f2.fetch_add(1, Ordering::SeqCst);
-                let now = running.fetch_add(1, Ordering::SeqCst) + 1;
-                m2.fetch_max(now, Ordering::SeqCst);
-                std::thread::sleep(Duration::from_millis(5));
-                for (i, b) in buf.iter_mut().enumerate() {
-                    *b = byte(off + i as u64) ^ 0x5a;
-                }
-                running.fetch_sub(1, Ordering::SeqCst);
-                match failing {
-                    Some(c) if off / CHUNK == c => Err(io::Error::other("no such part")),
-                    _ => Ok(()),
-                }
-            }),
-            unlock: Box::new(|_, buf: &mut [u8]| {
-                buf.iter_mut().for_each(|b| *b ^= 0x5a);
-                Ok(())
-            }),
-            decode: Box::new(decode_ok),
-            check: None,
-            prefetch: None,
             // With one fetch at a time, the chunk after the next is faulted in beside it.
             fetch_is_dma: Box::new(|_, _| true),
-            disk_shared: None,
             fetch_ahead,
-            digest: None,
-            completed: None,
+            ..xor_sealed(fetch)
         };
         (src, fetches, most)
     }
@@ -1679,27 +1698,15 @@ mod tests {
     fn recording_source(shared: bool, pause: Duration) -> (Input, Arc<Mutex<Vec<usize>>>) {
         let lens = Arc::new(Mutex::new(Vec::new()));
         let l2 = lens.clone();
+        let fetch = move |off, buf: &mut [u8]| {
+            l2.lock().push(buf.len());
+            std::thread::sleep(pause);
+            seal_into(off, buf);
+            Ok(())
+        };
         let src = Input {
-            fetch: Box::new(move |off, buf: &mut [u8]| {
-                l2.lock().push(buf.len());
-                std::thread::sleep(pause);
-                for (i, b) in buf.iter_mut().enumerate() {
-                    *b = byte(off + i as u64) ^ 0x5a;
-                }
-                Ok(())
-            }),
-            unlock: Box::new(|_, buf: &mut [u8]| {
-                buf.iter_mut().for_each(|b| *b ^= 0x5a);
-                Ok(())
-            }),
-            decode: Box::new(decode_ok),
-            check: None,
-            prefetch: None,
-            fetch_is_dma: Box::new(|_, _| false),
             disk_shared: Some(Box::new(move || shared)),
-            fetch_ahead: 1,
-            digest: None,
-            completed: None,
+            ..xor_sealed(fetch)
         };
         (src, lens)
     }
@@ -1833,8 +1840,9 @@ mod tests {
         src.digest = Some(feeder);
         let f = start(len, src, Priority::Demand);
         let m = f.wait_complete(Duration::from_secs(60)).expect("complete");
-        // The fetched bytes, before their unlock: the view bytes with 0x5a.
-        let sealed: Vec<u8> = (0..len).map(|i| byte(i) ^ 0x5a).collect();
+        // The fetched bytes, before their unlock.
+        let mut sealed = vec![0u8; len as usize];
+        seal_into(0, &mut sealed);
         let want: [u8; 32] = sha2::Sha256::digest(&sealed).into();
         assert_eq!(feed.wait(), Some(want));
         assert!(most.load(Ordering::SeqCst) >= 2);
