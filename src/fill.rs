@@ -713,6 +713,9 @@ impl Inner {
                 let buf = unsafe { self.chunk_mut(i) };
                 result = std::thread::scope(|scope| {
                     let unlocking = scope.spawn(move || self.unlock(priority, a, buf));
+                    // The next chunk's memory before the one after it: allocated in file
+                    // order, each grows the file and keeps the step's folio size.
+                    let next = next.filter(|&j| self.allocate(&mut allocated, j, priority).is_ok());
                     if let Some(k) = then {
                         // Chunk `k` is Pending: nothing reads or writes it until this
                         // thread takes it, and faulting pages in leaves their bytes as they
@@ -725,9 +728,8 @@ impl Inner {
                     }
                     if let Some(j) = next {
                         let (c, _) = self.range(j);
-                        fetched[j] = self.allocate(&mut allocated, j, priority).is_ok()
-                            // SAFETY: see above; the chunk's memory is allocated.
-                            && self.fetch_chunk(c, unsafe { self.chunk_mut(j) }).is_ok();
+                        // SAFETY: see above; the chunk's memory is allocated.
+                        fetched[j] = self.fetch_chunk(c, unsafe { self.chunk_mut(j) }).is_ok();
                     }
                     unlocking
                         .join()
