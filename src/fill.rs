@@ -60,7 +60,7 @@ pub type PrefetchFn = dyn Fn(u64, u64) + Send + Sync;
 /// Turns the filled, writable file into the read-only file handed to the kernel.
 pub type SealFn = dyn FnOnce(File) -> io::Result<MemoryFile> + Send;
 
-/// Where a fill's bytes go: a writable file, allocated chunk by chunk as each is decoded (the
+/// Where a fill's bytes go: a writable file, allocated chunk by chunk in file order (the
 /// page size follows the step), and what turns it into the file the kernel gets.
 pub struct Target {
     pub file: File,
@@ -672,8 +672,8 @@ impl Inner {
     /// Every chunk, each fetched on this thread beside the unlock of the one before; false
     /// when the fill was cancelled.
     fn decode_in_turn(self: &Arc<Self>, failures: &mut usize) -> bool {
+        let mut allocated = 0;
         let mut fetched = vec![false; self.state.lock().chunks.len()];
-        let mut allocated = fetched.clone();
         loop {
             let (i, next, then, priority) = {
                 let mut s = self.state.lock();
@@ -689,9 +689,9 @@ impl Inner {
                     .filter(|&k| s.chunks.get(k) == Some(&Chunk::Pending));
                 (i, next, then, s.priority)
             };
-            let (a, _) = self.range(i);
+            let (a, b) = self.range(i);
             let mut result = self
-                .allocate(&mut allocated, i, priority)
+                .allocate(&mut allocated, b, priority)
                 .map_err(ReadError::Io);
             if result.is_ok() && !fetched[i] {
                 // SAFETY: chunk `i` is Busy: only this thread touches its bytes until it
@@ -713,23 +713,24 @@ impl Inner {
                 let buf = unsafe { self.chunk_mut(i) };
                 result = std::thread::scope(|scope| {
                     let unlocking = scope.spawn(move || self.unlock(priority, a, buf));
-                    // The next chunk's memory before the one after it: allocated in file
-                    // order, each grows the file and keeps the step's folio size.
-                    let next = next.filter(|&j| self.allocate(&mut allocated, j, priority).is_ok());
                     if let Some(k) = then {
                         // Chunk `k` is Pending: nothing reads or writes it until this
                         // thread takes it, and faulting pages in leaves their bytes as they
                         // are.
-                        if self.allocate(&mut allocated, k, priority).is_ok() {
+                        if self
+                            .allocate(&mut allocated, self.range(k).1, priority)
+                            .is_ok()
+                        {
                             // SAFETY: see above; `k` differs from `i` and `next`.
                             let mem = unsafe { self.chunk_mut(k) };
                             scope.spawn(move || crate::memfs::fault_in(mem));
                         }
                     }
                     if let Some(j) = next {
-                        let (c, _) = self.range(j);
-                        // SAFETY: see above; the chunk's memory is allocated.
-                        fetched[j] = self.fetch_chunk(c, unsafe { self.chunk_mut(j) }).is_ok();
+                        let (c, d) = self.range(j);
+                        fetched[j] = self.allocate(&mut allocated, d, priority).is_ok()
+                            // SAFETY: see above; the chunk's memory is allocated.
+                            && self.fetch_chunk(c, unsafe { self.chunk_mut(j) }).is_ok();
                     }
                     unlocking
                         .join()
@@ -745,8 +746,8 @@ impl Inner {
     /// chunk decoded on (the chunk decoded first in the queue), each unlocked here once its
     /// fetch is in while the fetchers go on; false when the fill was cancelled.
     fn decode_fetched_ahead(self: &Arc<Self>, failures: &mut usize) -> bool {
+        let mut allocated = 0;
         let n = self.len.div_ceil(CHUNK) as usize;
-        let mut allocated = vec![false; n];
         // Fetches in flight start at a few and double with each chunk decoded: all of them
         // at once would share the link evenly, so the first chunk, which the decode and the
         // first reader wait for, would come in only with the last of them.
@@ -786,10 +787,10 @@ impl Inner {
                 }
                 (i, s.priority, jobs)
             };
-            let (a, _) = self.range(i);
-            let mut result = std::iter::once(i)
-                .chain(jobs.iter().copied())
-                .try_for_each(|j| self.allocate(&mut allocated, j, priority))
+            let (a, b) = self.range(i);
+            let top = jobs.iter().max().map_or(b, |&j| self.range(j).1.max(b));
+            let mut result = self
+                .allocate(&mut allocated, top, priority)
                 .map_err(ReadError::Io);
             {
                 let mut s = self.state.lock();
@@ -936,29 +937,23 @@ impl Inner {
         self.fetch_moved.notify_all();
     }
 
-    /// Allocate chunk `i`'s memory, in the steps of the fill's `priority`, unless
-    /// `allocated` says it is. Only right before the chunk is fetched, wherever a reader
-    /// moved the decoder: the chunk then takes memory the fill let go moments before (the
-    /// sealed file's page cache, see `SealedReader::let_go`). Allocating every chunk up to
-    /// the one a reader waits for, as the fill did, took the memory of most of a file at
-    /// once from whatever was free: on a VM, the blocks the host took back and is slow to
-    /// give again (four readers each reading a quarter of a 1 GiB shard: 0.6x the time
-    /// now). Chunks a reader left behind, allocated below the file's end, come in 2 MiB
-    /// folios whatever the step (`memfs::allocate_range`).
-    fn allocate(&self, allocated: &mut [bool], i: usize, priority: Priority) -> io::Result<()> {
-        if allocated[i] {
+    /// Allocate the file's memory in order up to `to`, in the steps of the fill's
+    /// `priority`; `allocated` is how far it is (0 at the start). Always in file order up to
+    /// the chunk decoded, so that the page size stays the step's even when a reader moves
+    /// the decoder ahead.
+    fn allocate(&self, allocated: &mut u64, to: u64, priority: Priority) -> io::Result<()> {
+        if *allocated >= to {
             return Ok(());
         }
         let step = match priority {
             Priority::Ahead => self.steps.ahead,
             Priority::Demand => self.steps.demand,
         };
-        let (a, b) = self.range(i);
         match self.file.lock().as_ref() {
-            Some(f) => crate::memfs::allocate_range(f, a, b, step)?,
+            Some(f) => crate::memfs::allocate_range(f, *allocated, to, step)?,
             None => return Err(io::Error::other("the file is sealed")),
         }
-        allocated[i] = true;
+        *allocated = to;
         Ok(())
     }
 
@@ -1462,34 +1457,6 @@ mod tests {
         let seen = order.lock().clone();
         assert!(seen.len() < 10 && seen.contains(&39), "{seen:?}");
         drop(f);
-    }
-
-    #[test]
-    fn a_chunk_takes_its_memory_only_when_it_is_decoded() {
-        // A reader far ahead moves the decoder there: the chunks between stay unallocated,
-        // so each takes the memory the fill let go just before (see `Inner::allocate`).
-        let slow = |off: u64, buf: &mut [u8]| {
-            std::thread::sleep(Duration::from_millis(30));
-            decode_ok(off, buf)
-        };
-        let target = scratch(40 * CHUNK);
-        let file = target.file.try_clone().unwrap();
-        let f = Fill::start(target, source(slow), Priority::Demand, "test".into()).unwrap();
-        let mut out = vec![0u8; 4096];
-        f.read(39 * CHUNK, &mut out).unwrap();
-        expect(39 * CHUNK, &out);
-        use std::os::unix::fs::MetadataExt;
-        let allocated = file.metadata().unwrap().blocks() * 512;
-        assert!(
-            allocated <= 8 * CHUNK,
-            "{} MiB allocated for a read of the last chunk",
-            allocated >> 20
-        );
-        f.wait_complete(Duration::from_secs(30))
-            .expect("the fill completes");
-        let mut whole = vec![0u8; (40 * CHUNK) as usize];
-        std::os::unix::fs::FileExt::read_exact_at(&file, &mut whole, 0).unwrap();
-        expect(0, &whole);
     }
 
     /// CPU time of the calling thread.

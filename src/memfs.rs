@@ -33,8 +33,7 @@ pub enum Pages {
     /// 2 MiB pages: `huge=always`, memory allocated in any steps.
     Huge,
     /// Folios as large as each allocation (`huge=within_size`): 128 KiB, or 1 MiB for
-    /// memory no one waits for yet, where the allocation grows the file; memory allocated
-    /// below the file's end (a chunk a reader left behind) comes in 2 MiB folios.
+    /// memory no one waits for yet; memory allocated in file order.
     Folios,
 }
 
@@ -239,8 +238,7 @@ pub fn shmem_folios_made(size: u64) -> Option<u64> {
 }
 
 /// Allocate the memory of `[from, to)` of `file`, `step` bytes at a time, growing the file:
-/// tmpfs (`huge=within_size`) sizes each folio that grows the file by the allocation that
-/// makes it, so the step sets the page size; below the file's end it makes 2 MiB folios.
+/// tmpfs sizes each folio by the allocation that makes it, so the step sets the page size.
 /// The kernel refuses (ENOSPC) past the tmpfs's size.
 pub fn allocate_range(file: &File, from: u64, to: u64, step: u64) -> io::Result<()> {
     let mut at = from;
