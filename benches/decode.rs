@@ -264,7 +264,7 @@ fn main() {
     let aes = stream_rows(
         "AES-256-CTR (lock v1)",
         &mut buf,
-        [AesCtr::Crate, AesCtr::AwsLc].map(|imp| {
+        AesCtr::available().into_iter().map(|imp| {
             let fill = move |pos, ks: &mut [u8]| imp.fill(&stream_key, pos, ks);
             (imp.label(), imp == chosen_aes, fill)
         }),

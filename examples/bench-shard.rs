@@ -227,7 +227,7 @@ fn header(tensors: &[Planned], version: Version, shape_cols: u64) -> Vec<u8> {
     let mut off = 0u64;
     for t in tensors {
         let units = t.bytes / t.kind.unit() as u64;
-        let shape = if units % shape_cols == 0 {
+        let shape = if units.is_multiple_of(shape_cols) {
             json!([units / shape_cols, shape_cols])
         } else {
             json!([units])

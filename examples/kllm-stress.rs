@@ -315,7 +315,7 @@ fn mmap_reader(load: &Load, mnt: &Path) {
         load.stats.bytes.fetch_add(l as u64, Ordering::Relaxed);
         load.stats.reads.fetch_add(1, Ordering::Relaxed);
         n += 1;
-        if n % 16 == 0 {
+        if n.is_multiple_of(16) {
             // SAFETY: on our own mapping.
             unsafe { libc::madvise(base, len, libc::MADV_DONTNEED) };
             drop_page_cache(&f);

@@ -1132,7 +1132,7 @@ impl SealedReader {
     /// `O_DIRECT`.
     fn reads_direct(&self, off: u64, len: u64) -> bool {
         self.direct.is_some()
-            && off % DIRECT_ALIGN == 0
+            && off.is_multiple_of(DIRECT_ALIGN)
             && len >= DIRECT_ALIGN
             && !self.mostly_cached(off, len)
     }
@@ -1141,7 +1141,8 @@ impl SealedReader {
         use std::os::unix::fs::FileExt;
         let aligned = (buf.len() as u64 / DIRECT_ALIGN * DIRECT_ALIGN) as usize;
         let direct = self.direct.as_ref().filter(|_| {
-            buf.as_ptr() as u64 % DIRECT_ALIGN == 0 && self.reads_direct(off, buf.len() as u64)
+            (buf.as_ptr() as u64).is_multiple_of(DIRECT_ALIGN)
+                && self.reads_direct(off, buf.len() as u64)
         });
         let done = match direct {
             Some(d) => match d.read_exact_at(&mut buf[..aligned], off) {

@@ -38,7 +38,7 @@ pub fn cut(start: u64, end: u64, size: u64, total: u64) -> Cut {
     let block_end = |i: u64| ((i + 1) * size).min(total);
     let first = start / size;
     let last = (end - 1) / size;
-    let head_cut = start % size != 0;
+    let head_cut = !start.is_multiple_of(size);
     let tail_cut = end != block_end(last);
     if first == last {
         if head_cut || tail_cut {

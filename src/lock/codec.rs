@@ -85,7 +85,7 @@ impl Codec {
     pub fn valid_domain(self, m: u64) -> bool {
         let float_ok = |mantissa: u32, top: u64| {
             let unit = 1u64 << mantissa;
-            m >= unit && m <= top + 1 && (m % unit == 0 || m == top + 1)
+            m >= unit && m <= top + 1 && (m.is_multiple_of(unit) || m == top + 1)
         };
         match self {
             Codec::Float { mantissa, top, .. } => float_ok(mantissa, top),

@@ -17,6 +17,8 @@ mod codec;
 pub mod document;
 mod lanes;
 pub mod stream;
+#[cfg(target_arch = "x86_64")]
+mod vaes;
 
 pub use codec::Codec;
 pub use document::{LockEntry, LOCK_META};
