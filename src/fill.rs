@@ -25,6 +25,7 @@
 use std::collections::VecDeque;
 use std::fs::File;
 use std::io;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, OnceLock};
 use std::time::{Duration, Instant};
 
@@ -215,6 +216,8 @@ struct Inner {
     fetch_moved: Condvar,
     started: Instant,
     label: String,
+    /// The file's hash is running on its own thread (see [`Inner::unlock`]).
+    hashing: AtomicBool,
 }
 
 /// A file filling in the background. Dropping the last handle stops the fill and frees its
@@ -233,6 +236,7 @@ impl Fill {
         label: String,
     ) -> io::Result<Fill> {
         let digest = Mutex::new(source.digest.take());
+        let source_has_check = source.check.is_some();
         let Target {
             file,
             len,
@@ -280,6 +284,7 @@ impl Fill {
             fetch_moved: Condvar::new(),
             started: Instant::now(),
             label,
+            hashing: AtomicBool::new(source_has_check),
         });
         if let Some(check) = inner.source.check.clone() {
             // Only a weak handle: a fill dropped while the file is hashed frees its memory
@@ -288,6 +293,11 @@ impl Fill {
             spawn("kllm-hash", move || {
                 let _enlisted = Inner::enlist(&i);
                 let _ = check();
+                if let Some(i) = i.upgrade() {
+                    let _s = i.state.lock();
+                    i.hashing.store(false, Ordering::Relaxed);
+                    i.changed.notify_all();
+                }
             })?;
         }
         if inner.source.prefetch.is_some() && len > 0 {
@@ -483,6 +493,22 @@ impl Fill {
     pub fn urge(&self) {
         let mut s = self.inner.state.lock();
         self.inner.urge(&mut s);
+    }
+
+    /// Whether the file's hash is still running: until it ends nothing of the copy is
+    /// served.
+    pub fn awaits_verdict(&self) -> bool {
+        self.inner.hashing.load(Ordering::Relaxed)
+    }
+
+    /// Wait until the file's hash has ended (or the fill was dropped), raising the fill to
+    /// demand priority.
+    pub fn wait_verdict(&self) {
+        let mut s = self.inner.state.lock();
+        self.inner.urge(&mut s);
+        while self.inner.hashing.load(Ordering::Relaxed) && !s.cancelled {
+            self.inner.changed.wait(&mut s);
+        }
     }
 
     pub fn priority(&self) -> Priority {
@@ -872,11 +898,20 @@ impl Inner {
     }
 
     /// The fetched bytes at `a` turned into view bytes in place, at the fill's priority.
+    /// While the file's hash runs, a fill someone waits for unlocks on one core fewer: no
+    /// byte is served before the verdict, and the hash is one stream on one thread, as
+    /// much CPU per byte as the decode, so it is the longer of the two whenever it has to
+    /// share its core.
     fn unlock(&self, priority: Priority, a: u64, buf: &mut [u8]) -> Result<(), ReadError> {
         let mut unlock = || (self.source.unlock)(a, buf);
-        match (priority, ahead_pool()) {
-            (Priority::Ahead, Some(pool)) => pool.install(unlock),
-            _ => unlock(),
+        let pool = match priority {
+            Priority::Ahead => ahead_pool(),
+            Priority::Demand if self.hashing.load(Ordering::Relaxed) => beside_hash_pool(),
+            Priority::Demand => None,
+        };
+        match pool {
+            Some(pool) => pool.install(unlock),
+            None => unlock(),
         }
     }
 
@@ -1210,6 +1245,21 @@ fn ahead_pool() -> Option<&'static rayon::ThreadPool> {
     .as_ref()
 }
 
+/// The pool that unlocks a fill someone waits for while the file's hash runs: one thread
+/// fewer than the cores the decode has (at least one).
+fn beside_hash_pool() -> Option<&'static rayon::ThreadPool> {
+    static POOL: OnceLock<Option<rayon::ThreadPool>> = OnceLock::new();
+    POOL.get_or_init(|| {
+        rayon::ThreadPoolBuilder::new()
+            .num_threads(rayon::current_num_threads().saturating_sub(1).max(1))
+            .thread_name(|i| format!("kllm-unlock-{i}"))
+            .build()
+            .map_err(|e| log::warn!("no pool beside the hash ({e}); unlocking on every core"))
+            .ok()
+    })
+    .as_ref()
+}
+
 /// Put a thread in the background or back in the foreground. Background is `SCHED_IDLE`
 /// rather than nice 19: a nice 19 thread still takes a share of a busy core, and an engine
 /// importing beside decode ahead on two cores took 1.09x its time alone at nice 19, 1.04x
@@ -1521,6 +1571,51 @@ mod tests {
         expect(3 * CHUNK, &out);
         assert!(f.wait_complete(Duration::from_secs(30)).is_none());
         assert_eq!(f.progress(), Progress::Broken);
+    }
+
+    /// While the file's hash runs, a fill someone waits for unlocks with one thread fewer
+    /// than the decode's pool (at least one), leaving the hash a core; without a hash,
+    /// with all of them.
+    #[test]
+    fn a_waited_for_fill_leaves_the_hash_a_core() {
+        let all = rayon::current_num_threads();
+        for hashed in [true, false] {
+            let release = Arc::new((Mutex::new(false), Condvar::new()));
+            let r = release.clone();
+            let check = move || {
+                let (m, c) = &*r;
+                let mut done = m.lock();
+                while !*done {
+                    c.wait(&mut done);
+                }
+                Ok(())
+            };
+            let threads = Arc::new(Mutex::new(Vec::new()));
+            let t = threads.clone();
+            let unlock = move |off: u64, buf: &mut [u8]| {
+                t.lock().push(rayon::current_num_threads());
+                decode_ok(off, buf)
+            };
+            let check = hashed.then(|| Arc::new(check) as Arc<CheckFn>);
+            let f = start(4 * CHUNK, with(unlock, check, None), Priority::Demand);
+            let waited = Instant::now();
+            while threads.lock().len() < 4 {
+                assert!(
+                    waited.elapsed() < Duration::from_secs(30),
+                    "chunks not unlocked"
+                );
+                std::thread::sleep(Duration::from_millis(5));
+            }
+            let want = if hashed {
+                all.saturating_sub(1).max(1)
+            } else {
+                all
+            };
+            assert_eq!(*threads.lock(), vec![want; 4], "hashed: {hashed}");
+            *release.0.lock() = true;
+            release.1.notify_all();
+            assert!(f.wait_complete(Duration::from_secs(30)).is_some());
+        }
     }
 
     #[test]

@@ -16,7 +16,7 @@ use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use parking_lot::{Condvar, Mutex};
+use parking_lot::{Condvar, Mutex, MutexGuard};
 
 use crate::ahead::Ahead;
 use crate::fill::{Fill, Priority};
@@ -769,6 +769,23 @@ impl<B> OpenTable<B> {
         let Some(fill) = state.fill.clone() else {
             return self.fuse(ino, &mut state);
         };
+        if fill.complete().is_none() && fill.awaits_verdict() {
+            // No byte of the copy is served before the file's verdict, so a handle opened
+            // through FUSE now would wait for it as long, then read the whole file through
+            // the daemon; waiting here gets the copy to the kernel instead. The inode is
+            // not held meanwhile: what other opens and closes did is asked again after.
+            MutexGuard::unlocked(&mut state, || fill.wait_verdict());
+            if state.fuse > 0 || !state.fill.as_ref().is_some_and(|f| Arc::ptr_eq(f, &fill)) {
+                return self.fuse(ino, &mut state);
+            }
+            if let Some(b) = &state.backing {
+                let backing = Backing {
+                    id: b.id.clone(),
+                    memory: b.memory.clone(),
+                };
+                return self.passthrough(ino, &mut state, backing);
+            }
+        }
         let complete = fill.complete().or_else(|| {
             (fill.left_bytes() <= policy.near).then(|| fill.wait_complete(policy.wait))?
         });
@@ -1156,6 +1173,15 @@ mod tests {
 
     /// A fill of `len` bytes into a scratch file, each chunk taking `per_chunk`.
     fn fill(len: u64, per_chunk: Duration) -> Arc<Fill> {
+        checked_fill(len, per_chunk, None)
+    }
+
+    /// The same, under an integrity check.
+    fn checked_fill(
+        len: u64,
+        per_chunk: Duration,
+        check: Option<Arc<crate::fill::CheckFn>>,
+    ) -> Arc<Fill> {
         let make = move |off, buf: &mut [u8]| {
             std::thread::sleep(per_chunk);
             for (i, b) in buf.iter_mut().enumerate() {
@@ -1167,7 +1193,7 @@ mod tests {
             fetch: Box::new(|_, _| Ok(())),
             unlock: Box::new(make),
             decode: Box::new(make),
-            check: None,
+            check,
             prefetch: None,
             fetch_is_dma: Box::new(|_, _| false),
             disk_shared: None,
@@ -1249,6 +1275,48 @@ mod tests {
             backed(&live),
         );
         assert!(matches!(near, Opened::Passthrough { .. }));
+    }
+
+    /// While the file's hash runs nothing of its copy is served, so an open waits for the
+    /// verdict, however far the copy is from done, and is handed the copy; a second open
+    /// meanwhile waits as well and shares it.
+    #[test]
+    fn an_open_waits_for_the_verdict_and_gets_the_copy() {
+        let t = OpenTable::new(Duration::from_secs(60));
+        let live = Arc::new(AtomicUsize::new(0));
+        let policy = OpenPolicy {
+            wait: Duration::from_millis(10),
+            near: NEAR_DONE,
+        };
+        // One hash, as the view's verdict: later callers wait for it, then return it.
+        let hashed = Arc::new(Mutex::new(false));
+        let check = move || {
+            let mut done = hashed.lock();
+            if !*done {
+                std::thread::sleep(Duration::from_millis(300));
+                *done = true;
+            }
+            Ok(())
+        };
+        let check: Arc<crate::fill::CheckFn> = Arc::new(check);
+        let started = Instant::now();
+        let (first, second) = std::thread::scope(|scope| {
+            let second = scope.spawn(|| {
+                std::thread::sleep(Duration::from_millis(50));
+                t.open_copy(7, &policy, || panic!("decoded twice"), backed(&live))
+            });
+            let first = t.open_copy(
+                7,
+                &policy,
+                || Some(checked_fill(20 * CHUNK, Duration::ZERO, Some(check))),
+                backed(&live),
+            );
+            (first, second.join().unwrap())
+        });
+        assert!(started.elapsed() >= Duration::from_millis(250));
+        assert!(matches!(first, Opened::Passthrough { .. }), "first open");
+        assert!(matches!(second, Opened::Passthrough { .. }), "second open");
+        assert_eq!(t.open_handles(), (2, 0));
     }
 
     #[test]
