@@ -898,15 +898,20 @@ impl Inner {
     }
 
     /// The fetched bytes at `a` turned into view bytes in place, at the fill's priority.
-    /// While the file's hash runs, a fill someone waits for unlocks on one core fewer: no
-    /// byte is served before the verdict, and the hash is one stream on one thread, as
-    /// much CPU per byte as the decode, so it is the longer of the two whenever it has to
-    /// share its core.
+    /// While the file's hash runs on its own thread, a fill someone waits for unlocks on
+    /// one core fewer: no byte is served before the verdict, and the hash is one stream on
+    /// one thread, as much CPU per byte as the decode, so it is the longer of the two
+    /// whenever it has to share its core. A digest this thread feeds (a remote source's)
+    /// runs between the unlocks, not beside them: the unlock keeps every core.
     fn unlock(&self, priority: Priority, a: u64, buf: &mut [u8]) -> Result<(), ReadError> {
         let mut unlock = || (self.source.unlock)(a, buf);
         let pool = match priority {
             Priority::Ahead => ahead_pool(),
-            Priority::Demand if self.hashing.load(Ordering::Relaxed) => beside_hash_pool(),
+            Priority::Demand
+                if self.hashing.load(Ordering::Relaxed) && self.digest.lock().is_none() =>
+            {
+                beside_hash_pool()
+            }
             Priority::Demand => None,
         };
         match pool {
@@ -1573,16 +1578,17 @@ mod tests {
         assert_eq!(f.progress(), Progress::Broken);
     }
 
-    /// While the file's hash runs, a fill someone waits for unlocks with one thread fewer
-    /// than the decode's pool (at least one), leaving the hash a core; without a hash,
-    /// with all of them.
+    /// While the file's hash runs on its own thread, a fill someone waits for unlocks with
+    /// one thread fewer than the decode's pool (at least one), leaving the hash a core;
+    /// without a hash, or with a digest its dispatcher feeds between the unlocks (a remote
+    /// source's), with all of them.
     #[test]
     fn a_waited_for_fill_leaves_the_hash_a_core() {
         let all = rayon::current_num_threads();
-        for hashed in [true, false] {
+        for case in ["hashed beside", "fed", "none"] {
             let release = Arc::new((Mutex::new(false), Condvar::new()));
             let r = release.clone();
-            let check = move || {
+            let hash_beside = move || {
                 let (m, c) = &*r;
                 let mut done = m.lock();
                 while !*done {
@@ -1596,8 +1602,23 @@ mod tests {
                 t.lock().push(rayon::current_num_threads());
                 decode_ok(off, buf)
             };
-            let check = hashed.then(|| Arc::new(check) as Arc<CheckFn>);
-            let f = start(4 * CHUNK, with(unlock, check, None), Priority::Demand);
+            let len = 4 * CHUNK;
+            let (feed, feeder) = crate::digest::DigestFeed::start(len);
+            let src = match case {
+                "hashed beside" => with(unlock, Some(Arc::new(hash_beside)), None),
+                "fed" => {
+                    let check = move || {
+                        feed.wait().expect("fed whole");
+                        Ok(())
+                    };
+                    let mut src = with(unlock, Some(Arc::new(check)), None);
+                    src.fetch_ahead = 2;
+                    src.digest = Some(feeder);
+                    src
+                }
+                _ => with(unlock, None, None),
+            };
+            let f = start(len, src, Priority::Demand);
             let waited = Instant::now();
             while threads.lock().len() < 4 {
                 assert!(
@@ -1606,15 +1627,14 @@ mod tests {
                 );
                 std::thread::sleep(Duration::from_millis(5));
             }
-            let want = if hashed {
-                all.saturating_sub(1).max(1)
-            } else {
-                all
+            let want = match case {
+                "hashed beside" => all.saturating_sub(1).max(1),
+                _ => all,
             };
-            assert_eq!(*threads.lock(), vec![want; 4], "hashed: {hashed}");
+            assert_eq!(*threads.lock(), vec![want; 4], "{case}");
             *release.0.lock() = true;
             release.1.notify_all();
-            assert!(f.wait_complete(Duration::from_secs(30)).is_some());
+            assert!(f.wait_complete(Duration::from_secs(30)).is_some(), "{case}");
         }
     }
 
