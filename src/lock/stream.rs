@@ -6,8 +6,8 @@
 //! GB/s on one core where we measured it), and elsewhere AWS-LC's assembly (already linked
 //! for TLS), which keeps 8 blocks in flight on AVX2 where the crate keeps 4: 2.08 against
 //! 3.2 GB/s on one core of an AVX2-only EPYC (`cargo bench --bench decode`). AES-256-CTR:
-//! our VAES kernel (`super::vaes`) where the CPU has AVX-512 and VAES, 16 GB/s on one core
-//! of an AVX-512 EPYC; elsewhere AWS-LC's wherever it is linked, whose AES-NI code ran at
+//! our VAES kernel (`super::vaes`) on the widest vectors the CPU has VAES for, 16 GB/s on
+//! one core of an AVX-512 EPYC; elsewhere AWS-LC's wherever it is linked, whose AES-NI code ran at
 //! 7.5-8.2 GB/s there against 4.6-5.5 for the `aes` crate 0.8 (the crate's 0.9 VAES backend
 //! reached 10.7 only when built for that CPU alone, and 4.4-5.9 as a portable build). The
 //! key stream sets the pace of a decode (2-4 bytes of it per plain byte), so this is most
@@ -43,14 +43,17 @@ pub enum AesCtr {
     /// plain code, picked at run time).
     #[cfg(feature = "aws-lc")]
     AwsLc,
-    /// Our VAES kernel on 512-bit vectors (`super::vaes`), where the CPU has it.
+    /// Our VAES kernel on 256-bit vectors (`super::vaes`), where the CPU has AVX2 and VAES.
     #[cfg(target_arch = "x86_64")]
-    Vaes,
+    Vaes256,
+    /// Our VAES kernel on 512-bit vectors, where the CPU has AVX-512 and VAES.
+    #[cfg(target_arch = "x86_64")]
+    Vaes512,
 }
 
 impl AesCtr {
-    /// The fastest implementation this CPU runs, decided once: VAES where it has AVX-512
-    /// and VAES, else AWS-LC's wherever it is linked.
+    /// The fastest implementation this CPU runs, decided once: VAES on the widest vectors
+    /// it has, else AWS-LC's wherever it is linked.
     pub fn chosen() -> AesCtr {
         static CHOSEN: OnceLock<AesCtr> = OnceLock::new();
         *CHOSEN.get_or_init(|| {
@@ -65,8 +68,14 @@ impl AesCtr {
         #[cfg(feature = "aws-lc")]
         all.push(AesCtr::AwsLc);
         #[cfg(target_arch = "x86_64")]
-        if super::vaes::available() {
-            all.push(AesCtr::Vaes);
+        {
+            use super::vaes::Width;
+            if Width::Bits256.available() {
+                all.push(AesCtr::Vaes256);
+            }
+            if Width::Bits512.available() {
+                all.push(AesCtr::Vaes512);
+            }
         }
         all
     }
@@ -77,7 +86,9 @@ impl AesCtr {
             #[cfg(feature = "aws-lc")]
             AesCtr::AwsLc => "AWS-LC",
             #[cfg(target_arch = "x86_64")]
-            AesCtr::Vaes => "VAES (AVX-512), ours",
+            AesCtr::Vaes256 => "VAES on AVX2, ours",
+            #[cfg(target_arch = "x86_64")]
+            AesCtr::Vaes512 => "VAES on AVX-512, ours",
         }
     }
 
@@ -97,7 +108,9 @@ impl AesCtr {
             #[cfg(feature = "aws-lc")]
             AesCtr::AwsLc => aws_lc_aes_ctr(key, pos, ks),
             #[cfg(target_arch = "x86_64")]
-            AesCtr::Vaes => super::vaes::fill(key, pos, ks),
+            AesCtr::Vaes256 => super::vaes::fill(super::vaes::Width::Bits256, key, pos, ks),
+            #[cfg(target_arch = "x86_64")]
+            AesCtr::Vaes512 => super::vaes::fill(super::vaes::Width::Bits512, key, pos, ks),
         }
     }
 }

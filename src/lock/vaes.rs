@@ -1,50 +1,77 @@
-//! Lock v1's AES-256-CTR stream with VAES on 512-bit vectors: 16 blocks in flight, four to
-//! an instruction.
+//! Lock v1's AES-256-CTR stream with VAES: 16 blocks in flight, four to an instruction on
+//! 512-bit vectors (AVX-512 CPUs), two on 256-bit ones (AVX2 CPUs with VAES, such as Zen 3).
 //!
 //! Why our own: the stream is most of a v1 decode (2-4 bytes of it per plain byte), and no
 //! well-kept library makes it at the CPU's pace in a portable build. AWS-LC and OpenSSL run
-//! CTR on 128-bit AES-NI (8.0-8.2 GB/s on one core of an AVX-512 EPYC); the `aes` crate
+//! CTR on 128-bit AES-NI (7.5-8.2 GB/s on one core of an AVX-512 EPYC); the `aes` crate
 //! 0.9's VAES backend is fast only when the whole build targets the CPU. This is the same
-//! instruction sequence those use, picked at run time: 16 GB/s there. What we write is the
-//! counter layout (lock v1: a 128-bit big-endian counter from 0) and the AES-256 key
-//! expansion with `AESKEYGENASSIST` (Intel's AES-NI white paper); the tests compare every
-//! byte with the `aes` crate's stream at any position and length.
+//! instruction sequence those use, picked at run time: 16 GB/s there on 512-bit vectors,
+//! 8.7-11.3 on 256-bit ones (that CPU splits them). What we write is the counter layout
+//! (lock v1: a 128-bit big-endian counter from 0) and the AES-256 key expansion with
+//! `AESKEYGENASSIST` (Intel's AES-NI white paper); the tests compare every byte with the
+//! `aes` crate's stream at any position and length.
 
 use std::arch::x86_64::*;
 
 use zeroize::Zeroize;
 
 const BLOCK: usize = 16;
-/// Blocks made per step: four vectors of four.
+/// Blocks made per step: four 512-bit vectors of four, or eight 256-bit ones of two.
 const GROUP_BLOCKS: usize = 16;
 const GROUP: usize = GROUP_BLOCKS * BLOCK;
 const ROUNDS: usize = 14;
 
-/// Whether this CPU runs the kernel (AVX-512 F and BW, VAES, AES-NI).
-pub fn available() -> bool {
-    std::arch::is_x86_feature_detected!("avx512f")
-        && std::arch::is_x86_feature_detected!("avx512bw")
-        && std::arch::is_x86_feature_detected!("vaes")
-        && std::arch::is_x86_feature_detected!("aes")
+/// The vectors a kernel runs VAES on.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Width {
+    /// 512 bits: AVX-512 F and BW.
+    Bits512,
+    /// 256 bits: AVX2.
+    Bits256,
 }
 
-/// Bytes `[pos, pos + ks.len())` of the AES-256-CTR stream keyed by `key` into `ks`.
+impl Width {
+    /// Whether this CPU runs the kernel of this width (and AES-NI, for the key expansion).
+    pub fn available(self) -> bool {
+        let vaes = std::arch::is_x86_feature_detected!("vaes")
+            && std::arch::is_x86_feature_detected!("aes");
+        vaes && match self {
+            Width::Bits512 => {
+                std::arch::is_x86_feature_detected!("avx512f")
+                    && std::arch::is_x86_feature_detected!("avx512bw")
+            }
+            Width::Bits256 => std::arch::is_x86_feature_detected!("avx2"),
+        }
+    }
+}
+
+/// Bytes `[pos, pos + ks.len())` of the AES-256-CTR stream keyed by `key` into `ks`, by the
+/// kernel of `width`.
 ///
 /// # Panics
-/// If the CPU lacks the instructions (`available` is false).
-pub fn fill(key: &[u8; 32], pos: u64, ks: &mut [u8]) {
-    assert!(available(), "AES-256-CTR by VAES on a CPU without it");
+/// If the CPU lacks the instructions (`width.available()` is false).
+pub fn fill(width: Width, key: &[u8; 32], pos: u64, ks: &mut [u8]) {
+    assert!(
+        width.available(),
+        "AES-256-CTR by VAES ({width:?}) on a CPU without it"
+    );
     let mut schedule = [0u8; (ROUNDS + 1) * BLOCK];
-    // SAFETY: `available` checked every feature both functions enable.
+    // SAFETY: `available` checked every feature the functions enable.
     unsafe { expand_key(key, &mut schedule) };
+    // SAFETY: as above; `out` is whole groups.
+    let groups = |counter: u64, out: &mut [u8]| unsafe {
+        match width {
+            Width::Bits512 => groups_512(&schedule, counter, out),
+            Width::Bits256 => groups_256(&schedule, counter, out),
+        }
+    };
     let mut counter = pos / BLOCK as u64;
     let skip = (pos % BLOCK as u64) as usize;
     let mut rest = ks;
     let mut spare = [0u8; GROUP];
     // A start mid-block, and a tail short of a group, take a whole group into `spare`.
     let mut partial = |rest: &mut [u8], counter: &mut u64, from: usize| -> usize {
-        // SAFETY: as above; `spare` holds one group.
-        unsafe { groups(&schedule, *counter, &mut spare) };
+        groups(*counter, &mut spare);
         let n = (GROUP - from).min(rest.len());
         rest[..n].copy_from_slice(&spare[from..from + n]);
         *counter += GROUP_BLOCKS as u64;
@@ -56,8 +83,7 @@ pub fn fill(key: &[u8; 32], pos: u64, ks: &mut [u8]) {
     }
     let whole = rest.len() / GROUP * GROUP;
     let (body, tail) = rest.split_at_mut(whole);
-    // SAFETY: as above; `body` is whole groups.
-    unsafe { groups(&schedule, counter, body) };
+    groups(counter, body);
     counter += (whole / BLOCK) as u64;
     if !tail.is_empty() {
         partial(tail, &mut counter, 0);
@@ -113,9 +139,10 @@ unsafe fn expand_key(key: &[u8; 32], schedule: &mut [u8; (ROUNDS + 1) * BLOCK]) 
     }
 }
 
-/// The stream from block `counter` on into `out`, whole groups of 16 blocks.
+/// The stream from block `counter` on into `out`, whole groups of 16 blocks, on 512-bit
+/// vectors.
 #[target_feature(enable = "avx512f,avx512bw,vaes,aes")]
-unsafe fn groups(schedule: &[u8; (ROUNDS + 1) * BLOCK], counter: u64, out: &mut [u8]) {
+unsafe fn groups_512(schedule: &[u8; (ROUNDS + 1) * BLOCK], counter: u64, out: &mut [u8]) {
     debug_assert_eq!(out.len() % GROUP, 0);
     // The counter's high 64 bits stay zero: a tensor's stream is at most 2^64 bytes, so
     // its blocks number at most 2^60, and the low half never carries.
@@ -155,6 +182,40 @@ unsafe fn groups(schedule: &[u8; (ROUNDS + 1) * BLOCK], counter: u64, out: &mut 
         for (j, v) in b.iter().enumerate() {
             let last = _mm512_aesenclast_epi128(*v, k[ROUNDS]);
             _mm512_storeu_si512(group.as_mut_ptr().add(j * 4 * BLOCK).cast(), last);
+        }
+    }
+}
+
+/// The same on 256-bit vectors.
+#[target_feature(enable = "avx2,vaes,aes")]
+unsafe fn groups_256(schedule: &[u8; (ROUNDS + 1) * BLOCK], counter: u64, out: &mut [u8]) {
+    debug_assert_eq!(out.len() % GROUP, 0);
+    debug_assert!(counter.checked_add((out.len() / BLOCK) as u64).is_some());
+    let mut k = [_mm256_setzero_si256(); ROUNDS + 1];
+    for (i, rk) in k.iter_mut().enumerate() {
+        *rk = _mm256_broadcastsi128_si256(_mm_loadu_si128(schedule.as_ptr().add(i * BLOCK).cast()));
+    }
+    let reverse = _mm256_setr_epi8(
+        15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0, 15, 14, 13, 12, 11, 10, 9, 8, 7, 6,
+        5, 4, 3, 2, 1, 0,
+    );
+    let c = counter as i64;
+    let mut lanes = _mm256_setr_epi64x(c, 0, c.wrapping_add(1), 0);
+    let two = _mm256_setr_epi64x(2, 0, 2, 0);
+    for group in out.chunks_exact_mut(GROUP) {
+        let mut b = [_mm256_setzero_si256(); 8];
+        for v in b.iter_mut() {
+            *v = _mm256_xor_si256(_mm256_shuffle_epi8(lanes, reverse), k[0]);
+            lanes = _mm256_add_epi64(lanes, two);
+        }
+        for rk in &k[1..ROUNDS] {
+            for v in b.iter_mut() {
+                *v = _mm256_aesenc_epi128(*v, *rk);
+            }
+        }
+        for (j, v) in b.iter().enumerate() {
+            let last = _mm256_aesenclast_epi128(*v, k[ROUNDS]);
+            _mm256_storeu_si256(group.as_mut_ptr().add(j * 2 * BLOCK).cast(), last);
         }
     }
 }
