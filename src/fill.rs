@@ -292,12 +292,8 @@ impl Fill {
             let i = Arc::downgrade(&inner);
             spawn("kllm-hash", move || {
                 let _enlisted = Inner::enlist(&i);
+                let _ended = HashEnded(i.clone());
                 let _ = check();
-                if let Some(i) = i.upgrade() {
-                    let _s = i.state.lock();
-                    i.hashing.store(false, Ordering::Relaxed);
-                    i.changed.notify_all();
-                }
             })?;
         }
         if inner.source.prefetch.is_some() && len > 0 {
@@ -1250,6 +1246,20 @@ fn ahead_pool() -> Option<&'static rayon::ThreadPool> {
     .as_ref()
 }
 
+/// Marks the fill's hash over when its thread ends, however it ends (an unwinding panic
+/// too): opens wait for it.
+struct HashEnded(std::sync::Weak<Inner>);
+
+impl Drop for HashEnded {
+    fn drop(&mut self) {
+        if let Some(i) = self.0.upgrade() {
+            let _s = i.state.lock();
+            i.hashing.store(false, Ordering::Relaxed);
+            i.changed.notify_all();
+        }
+    }
+}
+
 /// The pool that unlocks a fill someone waits for while the file's hash runs: one thread
 /// fewer than the cores the decode has (at least one).
 fn beside_hash_pool() -> Option<&'static rayon::ThreadPool> {
@@ -1636,6 +1646,27 @@ mod tests {
             release.1.notify_all();
             assert!(f.wait_complete(Duration::from_secs(30)).is_some(), "{case}");
         }
+    }
+
+    /// An open waits for the verdict: a hash thread that ends by a panic still ends the
+    /// wait.
+    #[test]
+    fn a_hash_that_panics_still_ends_the_wait_for_the_verdict() {
+        let check = || -> Result<(), ReadError> { panic!("a bug in the hash") };
+        let f = start(
+            2 * CHUNK,
+            with(decode_ok, Some(Arc::new(check)), None),
+            Priority::Demand,
+        );
+        let (tx, rx) = std::sync::mpsc::channel();
+        std::thread::spawn(move || {
+            f.wait_verdict();
+            let _ = tx.send(f.awaits_verdict());
+        });
+        let awaits = rx
+            .recv_timeout(Duration::from_secs(30))
+            .expect("still waiting for a hash that ended");
+        assert!(!awaits);
     }
 
     #[test]
