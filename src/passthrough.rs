@@ -619,6 +619,11 @@ struct InodeSlot<B> {
 
 type Inode<B> = Arc<InodeSlot<B>>;
 
+/// How long an open that waited for a file's verdict then waits for a copy already decoded
+/// whole to be sealed and handed out (a check of the verdict, a `fchmod` and a reopen:
+/// milliseconds, more on a loaded machine). A bound, not a pace.
+const SEAL_WAIT: Duration = Duration::from_secs(5);
+
 /// How long an open of a file whose copy is complete waits for the inode's FUSE handles to
 /// go: the kernel sends RELEASE after `close` returns, so a reopen right after a close
 /// would otherwise find the inode still open through the page cache.
@@ -774,7 +779,12 @@ impl<B> OpenTable<B> {
             // through FUSE now would wait for it as long, then read the whole file through
             // the daemon; waiting here gets the copy to the kernel instead. The inode is
             // not held meanwhile: what other opens and closes did is asked again after.
-            MutexGuard::unlocked(&mut state, || fill.wait_verdict());
+            MutexGuard::unlocked(&mut state, || {
+                fill.wait_verdict();
+                if fill.left_bytes() == 0 {
+                    fill.wait_complete(SEAL_WAIT);
+                }
+            });
             if state.fuse > 0 || !state.fill.as_ref().is_some_and(|f| Arc::ptr_eq(f, &fill)) {
                 return self.fuse(ino, &mut state);
             }
@@ -1173,14 +1183,15 @@ mod tests {
 
     /// A fill of `len` bytes into a scratch file, each chunk taking `per_chunk`.
     fn fill(len: u64, per_chunk: Duration) -> Arc<Fill> {
-        checked_fill(len, per_chunk, None)
+        checked_fill(len, per_chunk, None, Arc::default())
     }
 
-    /// The same, under an integrity check.
+    /// The same, under an integrity check, counting the bytes made into `made`.
     fn checked_fill(
         len: u64,
         per_chunk: Duration,
         check: Option<Arc<crate::fill::CheckFn>>,
+        made: Arc<AtomicU64>,
     ) -> Arc<Fill> {
         let make = move |off, buf: &mut [u8]| {
             std::thread::sleep(per_chunk);
@@ -1189,9 +1200,14 @@ mod tests {
             }
             Ok(())
         };
+        let unlock = move |off, buf: &mut [u8]| {
+            make(off, buf)?;
+            made.fetch_add(buf.len() as u64, Ordering::SeqCst);
+            Ok(())
+        };
         let source = Input {
             fetch: Box::new(|_, _| Ok(())),
-            unlock: Box::new(make),
+            unlock: Box::new(unlock),
             decode: Box::new(make),
             check,
             prefetch: None,
@@ -1278,8 +1294,8 @@ mod tests {
     }
 
     /// While the file's hash runs nothing of its copy is served, so an open waits for the
-    /// verdict, however far the copy is from done, and is handed the copy; a second open
-    /// meanwhile waits as well and shares it.
+    /// verdict, however far the copy is from done, and is then handed the copy (decoded
+    /// whole by the verdict here); a second open meanwhile waits as well and shares it.
     #[test]
     fn an_open_waits_for_the_verdict_and_gets_the_copy() {
         let t = OpenTable::new(Duration::from_secs(60));
@@ -1288,18 +1304,26 @@ mod tests {
             wait: Duration::from_millis(10),
             near: NEAR_DONE,
         };
-        // One hash, as the view's verdict: later callers wait for it, then return it.
+        let len = 20 * CHUNK;
+        let made = Arc::new(AtomicU64::new(0));
+        // One hash, as the view's verdict (later callers wait for it, then return it),
+        // which ends at least 300 ms in and after the whole copy is made.
         let hashed = Arc::new(Mutex::new(false));
+        let m = made.clone();
+        let started = Instant::now();
         let check = move || {
             let mut done = hashed.lock();
-            if !*done {
-                std::thread::sleep(Duration::from_millis(300));
-                *done = true;
+            while !*done {
+                if m.load(Ordering::SeqCst) >= len
+                    && started.elapsed() >= Duration::from_millis(300)
+                {
+                    *done = true;
+                }
+                std::thread::sleep(Duration::from_millis(5));
             }
             Ok(())
         };
         let check: Arc<crate::fill::CheckFn> = Arc::new(check);
-        let started = Instant::now();
         let (first, second) = std::thread::scope(|scope| {
             let second = scope.spawn(|| {
                 std::thread::sleep(Duration::from_millis(50));
@@ -1308,12 +1332,12 @@ mod tests {
             let first = t.open_copy(
                 7,
                 &policy,
-                || Some(checked_fill(20 * CHUNK, Duration::ZERO, Some(check))),
+                || Some(checked_fill(len, Duration::ZERO, Some(check), made.clone())),
                 backed(&live),
             );
             (first, second.join().unwrap())
         });
-        assert!(started.elapsed() >= Duration::from_millis(250));
+        assert!(started.elapsed() >= Duration::from_millis(300));
         assert!(matches!(first, Opened::Passthrough { .. }), "first open");
         assert!(matches!(second, Opened::Passthrough { .. }), "second open");
         assert_eq!(t.open_handles(), (2, 0));
