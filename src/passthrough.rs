@@ -565,6 +565,16 @@ pub struct Backing<B> {
     pub memory: Option<Arc<MemoryFile>>,
 }
 
+/// Another open's share of the same backing (`B`, the kernel's handle, is not copied).
+impl<B> Clone for Backing<B> {
+    fn clone(&self) -> Self {
+        Backing {
+            id: self.id.clone(),
+            memory: self.memory.clone(),
+        }
+    }
+}
+
 /// What an open got. A FUSE open of a file with a decoded copy (filling or complete) reads
 /// from it.
 pub enum Opened<B> {
@@ -720,11 +730,7 @@ impl<B> OpenTable<B> {
         let mut state = inode.state.lock();
         state.idle_since = None;
         if state.fuse == 0 {
-            if let Some(b) = &state.backing {
-                let backing = Backing {
-                    id: b.id.clone(),
-                    memory: b.memory.clone(),
-                };
+            if let Some(backing) = state.backing.clone() {
                 return self.passthrough(ino, &mut state, backing);
             }
             if let Some(backing) = make() {
@@ -761,11 +767,7 @@ impl<B> OpenTable<B> {
         if state.fuse > 0 {
             return self.fuse(ino, &mut state);
         }
-        if let Some(b) = &state.backing {
-            let backing = Backing {
-                id: b.id.clone(),
-                memory: b.memory.clone(),
-            };
+        if let Some(backing) = state.backing.clone() {
             return self.passthrough(ino, &mut state, backing);
         }
         if state.fill.is_none() {
@@ -788,11 +790,7 @@ impl<B> OpenTable<B> {
             if state.fuse > 0 || !state.fill.as_ref().is_some_and(|f| Arc::ptr_eq(f, &fill)) {
                 return self.fuse(ino, &mut state);
             }
-            if let Some(b) = &state.backing {
-                let backing = Backing {
-                    id: b.id.clone(),
-                    memory: b.memory.clone(),
-                };
+            if let Some(backing) = state.backing.clone() {
                 return self.passthrough(ino, &mut state, backing);
             }
         }
