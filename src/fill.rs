@@ -25,6 +25,7 @@
 use std::collections::VecDeque;
 use std::fs::File;
 use std::io;
+use std::panic::AssertUnwindSafe;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, OnceLock};
 use std::time::{Duration, Instant};
@@ -315,6 +316,7 @@ impl Fill {
         let i = inner.clone();
         spawn("kllm-fill", move || {
             let _enlisted = Inner::enlist(&Arc::downgrade(&i));
+            let _ended = DispatchEnded(Arc::downgrade(&i));
             i.dispatch();
         })?;
         Ok(Fill { inner })
@@ -856,7 +858,12 @@ impl Inner {
             if result.is_ok() {
                 // SAFETY: chunk `i` is Busy and its fetch is over: only this thread touches
                 // its bytes until it is marked Done or Failed.
-                result = self.unlock(priority, a, unsafe { self.chunk_mut(i) });
+                let buf = unsafe { self.chunk_mut(i) };
+                result =
+                    std::panic::catch_unwind(AssertUnwindSafe(|| self.unlock(priority, a, buf)))
+                        .unwrap_or_else(|_| {
+                            Err(ReadError::Io(io::Error::other("decode panicked")))
+                        });
             }
             self.chunk_ended(i, result, failures);
         }
@@ -883,7 +890,11 @@ impl Inner {
             let (c, _) = self.range(j);
             // SAFETY: a queued chunk is allocated, Pending or Busy with its fetch running:
             // nothing else touches its bytes until its fetch is marked over.
-            let got = (self.source.fetch)(c, unsafe { self.chunk_mut(j) });
+            let buf = unsafe { self.chunk_mut(j) };
+            // A fetch that panics fails its chunk: left Running, the dispatcher would wait
+            // for it forever.
+            let got = std::panic::catch_unwind(AssertUnwindSafe(|| (self.source.fetch)(c, buf)))
+                .unwrap_or_else(|_| Err(io::Error::other("fetch panicked")));
             let mut s = self.state.lock();
             s.fetches[j] = match got {
                 Ok(()) => Fetch::Fetched,
@@ -1244,6 +1255,35 @@ fn ahead_pool() -> Option<&'static rayon::ThreadPool> {
             .ok()
     })
     .as_ref()
+}
+
+/// Ends the fill as broken if its dispatcher ends without ending it (an unwinding panic
+/// outside a chunk's fetch and unlock: the verdict, the seal): the chunks it left are
+/// failed, so their reads decode their own range and an open serves through FUSE, where
+/// they would wait for a dispatcher that is gone.
+struct DispatchEnded(std::sync::Weak<Inner>);
+
+impl Drop for DispatchEnded {
+    fn drop(&mut self) {
+        let Some(i) = self.0.upgrade() else { return };
+        let mut s = i.state.lock();
+        if s.progress != Progress::Filling || s.cancelled {
+            return;
+        }
+        for c in s.chunks.iter_mut() {
+            if matches!(c, Chunk::Pending | Chunk::Busy) {
+                *c = Chunk::Failed;
+            }
+        }
+        s.left = 0;
+        s.progress = Progress::Broken;
+        log::error!(
+            "{}: the fill ended early (a bug: its thread panicked); served through FUSE",
+            i.label
+        );
+        i.changed.notify_all();
+        i.fetch_moved.notify_all();
+    }
 }
 
 /// Marks the fill's hash over when its thread ends, however it ends (an unwinding panic
@@ -2021,6 +2061,68 @@ mod tests {
         }
         assert!(f.wait_complete(Duration::from_secs(60)).is_none());
         assert_eq!(f.progress(), Progress::Broken);
+    }
+
+    /// A chunk whose fetch or unlock panics (a bug) fails alone, one fetch at a time or
+    /// many: its reads decode their own range, the other chunks come from the copy, and the
+    /// fill ends broken instead of leaving its readers waiting.
+    #[test]
+    fn a_chunk_whose_fetch_or_unlock_panics_fails_alone() {
+        let bad = 3;
+        for (fetch_ahead, step) in [(1, "unlock"), (4, "unlock"), (4, "fetch")] {
+            let (mut src, _, _) = sealed_source(fetch_ahead, None);
+            if step == "unlock" {
+                src.unlock = Box::new(move |off, buf: &mut [u8]| {
+                    assert!(off / CHUNK != bad, "a bug in the unlock");
+                    buf.iter_mut().for_each(|b| *b ^= 0x5a);
+                    Ok(())
+                });
+            } else {
+                let fetch = std::mem::replace(&mut src.fetch, Box::new(|_, _| Ok(())));
+                src.fetch = Box::new(move |off, buf: &mut [u8]| {
+                    assert!(off / CHUNK != bad, "a bug in the fetch");
+                    fetch(off, buf)
+                });
+            }
+            let n = 6;
+            let f = start(n * CHUNK, src, Priority::Demand);
+            let ended = Instant::now() + Duration::from_secs(60);
+            while f.progress() == Progress::Filling {
+                assert!(
+                    Instant::now() < ended,
+                    "{fetch_ahead} {step}: the fill never ended"
+                );
+                std::thread::sleep(Duration::from_millis(5));
+            }
+            assert_eq!(f.progress(), Progress::Broken, "{fetch_ahead} {step}");
+            for c in 0..n {
+                let mut out = vec![0u8; 4096];
+                assert_eq!(f.read(c * CHUNK + 11, &mut out).unwrap(), 4096);
+                expect(c * CHUNK + 11, &out);
+            }
+        }
+    }
+
+    /// A fill whose dispatcher dies outside a chunk (here in the seal's callback) ends
+    /// broken, its waiters released, its bytes still served.
+    #[test]
+    fn a_fill_whose_dispatcher_panics_ends_broken() {
+        let mut src = source(decode_ok);
+        src.completed = Some(Box::new(|| panic!("a bug after the seal")));
+        let f = start(3 * CHUNK, src, Priority::Demand);
+        let (tx, rx) = std::sync::mpsc::channel();
+        std::thread::spawn(move || {
+            let copy = f.wait_complete(Duration::from_secs(600));
+            let mut out = vec![0u8; 4096];
+            let read = f.read(2 * CHUNK + 5, &mut out).map(|_| out);
+            let _ = tx.send((copy.is_none(), f.progress(), read));
+        });
+        let (no_copy, progress, read) = rx
+            .recv_timeout(Duration::from_secs(30))
+            .expect("still waiting for a fill whose dispatcher is gone");
+        assert!(no_copy);
+        assert_eq!(progress, Progress::Broken);
+        expect(2 * CHUNK + 5, &read.unwrap());
     }
 
     #[test]
