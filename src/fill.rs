@@ -44,6 +44,15 @@ pub const CHUNK: u64 = 8 << 20;
 /// the device is already reading (docs/PERFORMANCE.md, "Engines"). Alone on the disk, the
 /// fill reads whole chunks: 1 MiB reads one at a time fill slower.
 const BACKGROUND_PIECE: usize = 1 << 20;
+/// Before each such piece, decode ahead waits while others keep reading the disk, looking
+/// again after each pause: an engine importing pages its libraries in by bursts of reads
+/// between stretches of work, and a piece read in those stretches delays none of them
+/// (docs/PERFORMANCE.md, "Changed: decode ahead waits for a quiet disk").
+const YIELD_PAUSE: Duration = Duration::from_millis(10);
+/// The longest wait before a piece: a disk that others never leave still gives decode
+/// ahead a piece this often, and two daemons decoding ahead on one disk do not stop each
+/// other.
+const MAX_YIELD: Duration = Duration::from_millis(100);
 /// How far ahead of the decoder the sealed bytes are asked for.
 const PREFETCH_WINDOW: u64 = 64 << 20;
 const PREFETCH_STEP: u64 = 16 << 20;
@@ -124,9 +133,10 @@ pub struct Input {
     /// it writes it, while the page is in the cache.
     pub fetch_is_dma: Box<RangeFn>,
     /// Whether other processes read the disk that `fetch` reads from, since it was last
-    /// asked: decode ahead then fetches in pieces of [`BACKGROUND_PIECE`]. `None`: fetched
-    /// whole whatever the priority (a source that is not a local disk).
-    pub disk_shared: Option<Box<dyn Fn() -> bool + Send + Sync>>,
+    /// asked: decode ahead then fetches in pieces of [`BACKGROUND_PIECE`], each once the
+    /// disk is quiet (within [`MAX_YIELD`]). `None`: fetched whole whatever the priority
+    /// (a source that is not a local disk).
+    pub disk_shared: Option<Box<dyn Fn() -> DiskLook + Send + Sync>>,
     /// How many chunks may be fetched at once, each by its own thread straight into its
     /// place, ahead of the unlock (a remote source: many GETs in flight). 1: the next chunk
     /// is fetched beside the unlock of the current one.
@@ -157,6 +167,18 @@ enum Chunk {
     Busy,
     Done,
     Failed,
+}
+
+/// What others did on the disk a fill reads, since the last look.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum DiskLook {
+    /// No one else read it.
+    Alone,
+    /// Others read it.
+    OthersRead,
+    /// Not to be told (no block device behind the file system): read in pieces, but
+    /// without waiting for a quiet disk, which would never be seen.
+    Unknown,
 }
 
 /// Where a fill stands, for the open path and the logs.
@@ -367,13 +389,14 @@ impl Fill {
             None => Box::new(|_, _| false),
         };
         // Decode ahead yields the disk to other readers; where the disk's statistics are
-        // not to be had (no block device behind the file system), always.
+        // not to be had (no block device behind the file system), reads in pieces always.
         let disk_shared = local.as_ref().map(|r| {
             let share = crate::disk_share::DiskShare::of(&r.file);
-            Box::new(move || match &share {
-                Some(share) => share.others_read().is_none_or(|n| n > 0),
-                None => true,
-            }) as Box<dyn Fn() -> bool + Send + Sync>
+            Box::new(move || match share.as_ref().and_then(|s| s.others_read()) {
+                Some(0) => DiskLook::Alone,
+                Some(_) => DiskLook::OthersRead,
+                None => DiskLook::Unknown,
+            }) as Box<dyn Fn() -> DiskLook + Send + Sync>
         });
         // Without O_DIRECT the page cache brings the sealed bytes: ask for them ahead.
         let prefetch: Option<Box<PrefetchFn>> = match &local {
@@ -646,15 +669,28 @@ impl Inner {
     }
 
     /// Fetch a chunk's sealed bytes into `buf`: whole, unless the fill decodes ahead and
-    /// others read the same disk, in pieces of [`BACKGROUND_PIECE`] then (the priority is
-    /// asked again before each piece, so an open that urges the fill gets whole reads).
+    /// others read the same disk, in pieces of [`BACKGROUND_PIECE`] then, each once the
+    /// disk is quiet (the priority is asked again before each piece, so an open that urges
+    /// the fill gets whole reads at once).
     fn fetch_chunk(&self, off: u64, buf: &mut [u8]) -> io::Result<()> {
         // The disk is asked about only while decoding ahead (a fill someone waits for
-        // reads whole chunks whoever else reads the disk), once per chunk.
+        // reads whole chunks whoever else reads the disk).
         let ahead = || self.state.lock().priority == Priority::Ahead;
-        let shared = ahead() && self.source.disk_shared.as_ref().is_some_and(|s| s());
+        let look = || {
+            self.source
+                .disk_shared
+                .as_ref()
+                .map_or(DiskLook::Alone, |s| s())
+        };
+        let shared = ahead() && look() != DiskLook::Alone;
         let mut done = 0;
         while done < buf.len() {
+            if shared {
+                let since = Instant::now();
+                while since.elapsed() < MAX_YIELD && ahead() && look() == DiskLook::OthersRead {
+                    std::thread::sleep(YIELD_PAUSE);
+                }
+            }
             let end = if shared && ahead() {
                 (done + BACKGROUND_PIECE).min(buf.len())
             } else {
@@ -1880,9 +1916,9 @@ mod tests {
         (src, fetches, most)
     }
 
-    /// A source that records the length of each fetch, on a disk that others read
-    /// (`shared`) or not, each fetch taking `pause`.
-    fn recording_source(shared: bool, pause: Duration) -> (Input, Arc<Mutex<Vec<usize>>>) {
+    /// A source that records the length of each fetch, on a disk where each look sees
+    /// `look`, each fetch taking `pause`.
+    fn recording_source(look: DiskLook, pause: Duration) -> (Input, Arc<Mutex<Vec<usize>>>) {
         let lens = Arc::new(Mutex::new(Vec::new()));
         let l2 = lens.clone();
         let fetch = move |off, buf: &mut [u8]| {
@@ -1892,7 +1928,7 @@ mod tests {
             Ok(())
         };
         let src = Input {
-            disk_shared: Some(Box::new(move || shared)),
+            disk_shared: Some(Box::new(move || look)),
             ..xor_sealed(fetch)
         };
         (src, lens)
@@ -1906,12 +1942,12 @@ mod tests {
         let n = 4;
         let piece = BACKGROUND_PIECE;
         let whole = CHUNK as usize;
-        for (shared, priority, want) in [
-            (true, Priority::Ahead, piece),
-            (false, Priority::Ahead, whole),
-            (true, Priority::Demand, whole),
+        for (look, priority, want) in [
+            (DiskLook::Unknown, Priority::Ahead, piece),
+            (DiskLook::Alone, Priority::Ahead, whole),
+            (DiskLook::Unknown, Priority::Demand, whole),
         ] {
-            let (src, lens) = recording_source(shared, Duration::ZERO);
+            let (src, lens) = recording_source(look, Duration::ZERO);
             let f = start(n * CHUNK, src, priority);
             // Waiting for the fill would urge it: wait for its fetches first.
             let t0 = std::time::Instant::now();
@@ -1927,13 +1963,19 @@ mod tests {
             let lens = lens.lock();
             assert!(
                 lens.iter().all(|&l| l == want),
-                "shared {shared}, {priority:?}: fetches of {lens:?}"
+                "{look:?}, {priority:?}: fetches of {lens:?}"
             );
             assert_eq!(lens.iter().sum::<usize>(), all.len());
         }
-        let (src, lens) = recording_source(true, Duration::from_millis(5));
+        // Others never leave the disk: each piece still comes, and an urge ends the wait.
+        let (src, lens) = recording_source(DiskLook::OthersRead, Duration::from_millis(5));
         let f = start(n * CHUNK, src, Priority::Ahead);
+        let t0 = Instant::now();
         while lens.lock().len() < 3 {
+            assert!(
+                t0.elapsed() < Duration::from_secs(60),
+                "no piece while others read"
+            );
             std::thread::sleep(Duration::from_millis(1));
         }
         f.urge();
@@ -1942,6 +1984,51 @@ mod tests {
         assert_eq!(lens[0], piece, "{lens:?}");
         assert_eq!(*lens.last().unwrap(), whole, "urged: {lens:?}");
         assert_eq!(lens.iter().sum::<usize>(), (n * CHUNK) as usize);
+    }
+
+    /// Decode ahead on a disk that others read waits, before each piece, for a look that
+    /// finds the disk quiet: here the first looks see others reading, then none do, then
+    /// others again before the third piece.
+    #[test]
+    fn decode_ahead_waits_for_a_quiet_disk_before_each_piece() {
+        let events = Arc::new(Mutex::new(Vec::<&str>::new()));
+        let (e1, e2) = (events.clone(), events.clone());
+        let looks = AtomicUsize::new(0);
+        let look = move || {
+            e1.lock().push("look");
+            match looks.fetch_add(1, Ordering::SeqCst) {
+                0..=3 | 6 => DiskLook::OthersRead,
+                _ => DiskLook::Alone,
+            }
+        };
+        let fetch = move |off, buf: &mut [u8]| {
+            e2.lock().push("fetch");
+            seal_into(off, buf);
+            Ok(())
+        };
+        let src = Input {
+            disk_shared: Some(Box::new(look)),
+            ..xor_sealed(fetch)
+        };
+        let f = start(CHUNK, src, Priority::Ahead);
+        let t0 = Instant::now();
+        while events.lock().iter().filter(|&&e| e == "fetch").count() < 8 {
+            assert!(t0.elapsed() < Duration::from_secs(60), "fetches stopped");
+            std::thread::sleep(Duration::from_millis(1));
+        }
+        let m = f.wait_complete(Duration::from_secs(60)).expect("complete");
+        let mut all = vec![0u8; CHUNK as usize];
+        use std::os::unix::fs::FileExt;
+        m.file().read_exact_at(&mut all, 0).unwrap();
+        expect(0, &all);
+        // The chunk's look, three waits, the quiet look, a piece; a quiet look, a piece;
+        // others, a wait, a quiet look, a piece; then one quiet look per piece.
+        let mut want = vec!["look"; 5];
+        want.extend(["fetch", "look", "fetch", "look", "look", "fetch"]);
+        for _ in 0..5 {
+            want.extend(["look", "fetch"]);
+        }
+        assert_eq!(*events.lock(), want);
     }
 
     fn each_chunk_fetched_once_and_unlocked_after_its_fetch(fetch_ahead: usize) -> usize {
