@@ -132,11 +132,11 @@ pub struct Input {
     /// first waits for every page to be cleared. A CPU copy is left to clear each page as
     /// it writes it, while the page is in the cache.
     pub fetch_is_dma: Box<RangeFn>,
-    /// Whether other processes read the disk that `fetch` reads from, since it was last
-    /// asked: decode ahead then fetches in pieces of [`BACKGROUND_PIECE`], each once the
-    /// disk is quiet (within [`MAX_YIELD`]). `None`: fetched whole whatever the priority
-    /// (a source that is not a local disk).
-    pub disk_shared: Option<Box<dyn Fn() -> DiskLook + Send + Sync>>,
+    /// Whether other processes read the disk that `fetch` of `[off, off + len)` reads
+    /// from, since it was last asked: decode ahead then fetches in pieces of
+    /// [`BACKGROUND_PIECE`], each once the disk is quiet (within [`MAX_YIELD`]). `None`:
+    /// fetched whole whatever the priority (a source that is not a local disk).
+    pub disk_shared: Option<Box<RangeLookFn>>,
     /// How many chunks may be fetched at once, each by its own thread straight into its
     /// place, ahead of the unlock (a remote source: many GETs in flight). 1: the next chunk
     /// is fetched beside the unlock of the current one.
@@ -168,6 +168,8 @@ enum Chunk {
     Done,
     Failed,
 }
+
+pub type RangeLookFn = dyn Fn(u64, u64) -> DiskLook + Send + Sync;
 
 /// What others did on the disk a fill reads, since the last look.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -388,15 +390,17 @@ impl Fill {
             }
             None => Box::new(|_, _| false),
         };
-        // Decode ahead yields the disk to other readers; where the disk's statistics are
-        // not to be had (no block device behind the file system), reads in pieces always.
+        // Decode ahead yields the disk to other readers, when it reads the disk at all (not
+        // sealed bytes in the page cache); where the disk's statistics are not to be had
+        // (no block device behind the file system), it reads in pieces always.
         let disk_shared = local.as_ref().map(|r| {
             let share = crate::disk_share::DiskShare::of(&r.file);
-            Box::new(move || match share.as_ref().and_then(|s| s.others_read()) {
-                Some(0) => DiskLook::Alone,
-                Some(_) => DiskLook::OthersRead,
-                None => DiskLook::Unknown,
-            }) as Box<dyn Fn() -> DiskLook + Send + Sync>
+            let r = r.clone();
+            Box::new(move |off, len| {
+                disk_look(r.mostly_cached(off, len), || {
+                    share.as_ref().and_then(|s| s.others_read())
+                })
+            }) as Box<RangeLookFn>
         });
         // Without O_DIRECT the page cache brings the sealed bytes: ask for them ahead.
         let prefetch: Option<Box<PrefetchFn>> = match &local {
@@ -676,18 +680,20 @@ impl Inner {
         // The disk is asked about only while decoding ahead (a fill someone waits for
         // reads whole chunks whoever else reads the disk).
         let ahead = || self.state.lock().priority == Priority::Ahead;
-        let look = || {
+        let whole = buf.len();
+        let look = |from: usize| {
+            let len = (whole - from) as u64;
             self.source
                 .disk_shared
                 .as_ref()
-                .map_or(DiskLook::Alone, |s| s())
+                .map_or(DiskLook::Alone, |s| s(off + from as u64, len))
         };
-        let shared = ahead() && look() != DiskLook::Alone;
+        let shared = ahead() && look(0) != DiskLook::Alone;
         let mut done = 0;
         while done < buf.len() {
             if shared {
                 let since = Instant::now();
-                while since.elapsed() < MAX_YIELD && ahead() && look() == DiskLook::OthersRead {
+                while since.elapsed() < MAX_YIELD && ahead() && look(done) == DiskLook::OthersRead {
                     std::thread::sleep(YIELD_PAUSE);
                 }
             }
@@ -1291,6 +1297,20 @@ fn ahead_pool() -> Option<&'static rayon::ThreadPool> {
             .ok()
     })
     .as_ref()
+}
+
+/// The look at the disk for a fetch whose bytes are mostly in the page cache (`cached`:
+/// it reads no disk, so it need not yield) or else the bytes others read since the last
+/// look (`others_read`: `None` where the disk cannot tell).
+fn disk_look(cached: bool, others_read: impl FnOnce() -> Option<u64>) -> DiskLook {
+    if cached {
+        return DiskLook::Alone;
+    }
+    match others_read() {
+        Some(0) => DiskLook::Alone,
+        Some(_) => DiskLook::OthersRead,
+        None => DiskLook::Unknown,
+    }
 }
 
 /// Ends the fill as broken if its dispatcher ends without ending it (an unwinding panic
@@ -1928,7 +1948,7 @@ mod tests {
             Ok(())
         };
         let src = Input {
-            disk_shared: Some(Box::new(move || look)),
+            disk_shared: Some(Box::new(move |_, _| look)),
             ..xor_sealed(fetch)
         };
         (src, lens)
@@ -1994,7 +2014,7 @@ mod tests {
         let events = Arc::new(Mutex::new(Vec::<&str>::new()));
         let (e1, e2) = (events.clone(), events.clone());
         let looks = AtomicUsize::new(0);
-        let look = move || {
+        let look = move |_, _| {
             e1.lock().push("look");
             match looks.fetch_add(1, Ordering::SeqCst) {
                 0..=3 | 6 => DiskLook::OthersRead,
@@ -2029,6 +2049,23 @@ mod tests {
             want.extend(["look", "fetch"]);
         }
         assert_eq!(*events.lock(), want);
+    }
+
+    /// Sealed bytes in the page cache read no disk: their fetch never waits for others,
+    /// whatever they read (and the disk's counts are not even asked for).
+    #[test]
+    fn a_cached_fetch_does_not_look_at_the_disk() {
+        let asked = AtomicUsize::new(0);
+        let count = |n| {
+            asked.fetch_add(1, Ordering::SeqCst);
+            n
+        };
+        assert_eq!(disk_look(true, || count(Some(5))), DiskLook::Alone);
+        assert_eq!(asked.load(Ordering::SeqCst), 0);
+        assert_eq!(disk_look(false, || count(Some(0))), DiskLook::Alone);
+        assert_eq!(disk_look(false, || count(Some(5))), DiskLook::OthersRead);
+        assert_eq!(disk_look(false, || count(None)), DiskLook::Unknown);
+        assert_eq!(asked.load(Ordering::SeqCst), 3);
     }
 
     fn each_chunk_fetched_once_and_unlocked_after_its_fetch(fetch_ahead: usize) -> usize {
