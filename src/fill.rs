@@ -169,6 +169,7 @@ enum Chunk {
     Failed,
 }
 
+/// A look at the disk for a fetch of `[off, off + len)` (see [`Input::disk_shared`]).
 pub type RangeLookFn = dyn Fn(u64, u64) -> DiskLook + Send + Sync;
 
 /// What others did on the disk a fill reads, since the last look.
