@@ -134,7 +134,7 @@ pub struct Input {
     pub fetch_is_dma: Box<RangeFn>,
     /// Whether other processes read the disk that `fetch` of `[off, off + len)` reads
     /// from, since it was last asked: decode ahead then fetches in pieces of
-    /// [`BACKGROUND_PIECE`], each once the disk is quiet (within [`MAX_YIELD`]). `None`:
+    /// `BACKGROUND_PIECE`, each once the disk is quiet (within `MAX_YIELD`). `None`:
     /// fetched whole whatever the priority (a source that is not a local disk).
     pub disk_shared: Option<Box<RangeLookFn>>,
     /// How many chunks may be fetched at once, each by its own thread straight into its

@@ -1,4 +1,4 @@
-//! The counters of a mount, each declared once in [`counters!`]'s table below: from that
+//! The counters of a mount, each declared once in `counters!`'s table below: from that
 //! one line come the atomic in [`Stats`], the field of its snapshot [`Counters`] (the status
 //! object's JSON member of the same name), and its Prometheus sample. Core modules bump
 //! these; `status` only reads and renders them. docs/STATUS.md lists every one.

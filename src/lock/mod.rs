@@ -7,7 +7,7 @@
 //!
 //! - [`document`]: the `kllm.lock` document a locked shard carries, and which codec each
 //!   entry gets;
-//! - [`codec`]: how values are read as codes, and the domains each kind allows;
+//! - `codec`: how values are read as codes, and the domains each kind allows;
 //! - [`stream`]: the key streams;
 //! - `arith`: offsets and modular shifts;
 //! - `lanes`: the kernels, one generic loop per kind of code and instruction set.
