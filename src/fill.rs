@@ -901,12 +901,7 @@ impl Inner {
             if result.is_ok() {
                 // SAFETY: chunk `i` is Busy and its fetch is over: only this thread touches
                 // its bytes until it is marked Done or Failed.
-                let buf = unsafe { self.chunk_mut(i) };
-                result =
-                    std::panic::catch_unwind(AssertUnwindSafe(|| self.unlock(priority, a, buf)))
-                        .unwrap_or_else(|_| {
-                            Err(ReadError::Io(io::Error::other("decode panicked")))
-                        });
+                result = self.unlock(priority, a, unsafe { self.chunk_mut(i) });
             }
             self.chunk_ended(i, result, failures);
         }
@@ -952,9 +947,13 @@ impl Inner {
     /// one core fewer: no byte is served before the verdict, and the hash is one stream on
     /// one thread, as much CPU per byte as the decode, so it is the longer of the two
     /// whenever it has to share its core. A digest this thread feeds (a remote source's)
-    /// runs between the unlocks, not beside them: the unlock keeps every core.
+    /// runs between the unlocks, not beside them: the unlock keeps every core. An unlock
+    /// that panics (a bug) fails its chunk alone.
     fn unlock(&self, priority: Priority, a: u64, buf: &mut [u8]) -> Result<(), ReadError> {
-        let mut unlock = || (self.source.unlock)(a, buf);
+        let mut unlock = || {
+            std::panic::catch_unwind(AssertUnwindSafe(|| (self.source.unlock)(a, buf)))
+                .unwrap_or_else(|_| Err(ReadError::Io(io::Error::other("decode panicked"))))
+        };
         let pool = match priority {
             Priority::Ahead => ahead_pool(),
             Priority::Demand
@@ -1512,6 +1511,15 @@ mod tests {
         Fill::start(scratch(len), src, p, "test".into()).unwrap()
     }
 
+    /// Poll `holds` until it is true, failing with `what` after `secs` seconds.
+    fn wait_until(secs: u64, what: &str, mut holds: impl FnMut() -> bool) {
+        let deadline = Instant::now() + Duration::from_secs(secs);
+        while !holds() {
+            assert!(Instant::now() < deadline, "{what}: not within {secs} s");
+            std::thread::sleep(Duration::from_millis(1));
+        }
+    }
+
     fn expect(off: u64, got: &[u8]) {
         for (i, &b) in got.iter().enumerate() {
             assert_eq!(b, byte(off + i as u64), "byte {}", off + i as u64);
@@ -1726,14 +1734,7 @@ mod tests {
                 _ => with(unlock, None, None),
             };
             let f = start(len, src, Priority::Demand);
-            let waited = Instant::now();
-            while threads.lock().len() < 4 {
-                assert!(
-                    waited.elapsed() < Duration::from_secs(30),
-                    "chunks not unlocked"
-                );
-                std::thread::sleep(Duration::from_millis(5));
-            }
+            wait_until(30, "chunks unlocked", || threads.lock().len() >= 4);
             let want = match case {
                 "hashed beside" => all.saturating_sub(1).max(1),
                 _ => all,
@@ -1971,11 +1972,9 @@ mod tests {
             let (src, lens) = recording_source(look, Duration::ZERO);
             let f = start(n * CHUNK, src, priority);
             // Waiting for the fill would urge it: wait for its fetches first.
-            let t0 = std::time::Instant::now();
-            while lens.lock().iter().sum::<usize>() < (n * CHUNK) as usize {
-                assert!(t0.elapsed() < Duration::from_secs(60), "fetches stopped");
-                std::thread::sleep(Duration::from_millis(1));
-            }
+            wait_until(60, "every fetch", || {
+                lens.lock().iter().sum::<usize>() >= (n * CHUNK) as usize
+            });
             let m = f.wait_complete(Duration::from_secs(60)).expect("complete");
             let mut all = vec![0u8; (n * CHUNK) as usize];
             use std::os::unix::fs::FileExt;
@@ -1991,14 +1990,7 @@ mod tests {
         // Others never leave the disk: each piece still comes, and an urge ends the wait.
         let (src, lens) = recording_source(DiskLook::OthersRead, Duration::from_millis(5));
         let f = start(n * CHUNK, src, Priority::Ahead);
-        let t0 = Instant::now();
-        while lens.lock().len() < 3 {
-            assert!(
-                t0.elapsed() < Duration::from_secs(60),
-                "no piece while others read"
-            );
-            std::thread::sleep(Duration::from_millis(1));
-        }
+        wait_until(60, "pieces while others read", || lens.lock().len() >= 3);
         f.urge();
         f.wait_complete(Duration::from_secs(60)).expect("complete");
         let lens = lens.lock();
@@ -2032,11 +2024,9 @@ mod tests {
             ..xor_sealed(fetch)
         };
         let f = start(CHUNK, src, Priority::Ahead);
-        let t0 = Instant::now();
-        while events.lock().iter().filter(|&&e| e == "fetch").count() < 8 {
-            assert!(t0.elapsed() < Duration::from_secs(60), "fetches stopped");
-            std::thread::sleep(Duration::from_millis(1));
-        }
+        wait_until(60, "every piece", || {
+            events.lock().iter().filter(|&&e| e == "fetch").count() >= 8
+        });
         let m = f.wait_complete(Duration::from_secs(60)).expect("complete");
         let mut all = vec![0u8; CHUNK as usize];
         use std::os::unix::fs::FileExt;
@@ -2211,14 +2201,9 @@ mod tests {
             }
             let n = 6;
             let f = start(n * CHUNK, src, Priority::Demand);
-            let ended = Instant::now() + Duration::from_secs(60);
-            while f.progress() == Progress::Filling {
-                assert!(
-                    Instant::now() < ended,
-                    "{fetch_ahead} {step}: the fill never ended"
-                );
-                std::thread::sleep(Duration::from_millis(5));
-            }
+            wait_until(60, &format!("{fetch_ahead} {step}: the fill's end"), || {
+                f.progress() != Progress::Filling
+            });
             assert_eq!(f.progress(), Progress::Broken, "{fetch_ahead} {step}");
             for c in 0..n {
                 let mut out = vec![0u8; 4096];
