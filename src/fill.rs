@@ -689,13 +689,20 @@ impl Inner {
                 .as_ref()
                 .map_or(DiskLook::Alone, |s| s(off + from as u64, len))
         };
-        let shared = ahead() && look(0) != DiskLook::Alone;
+        // A look answers for the time since the one before, so the chunk's own look is
+        // the first piece's: looking again at once would ask about no time at all.
+        let mut seen = if ahead() { look(0) } else { DiskLook::Alone };
+        let shared = seen != DiskLook::Alone;
         let mut done = 0;
         while done < buf.len() {
             if shared {
+                if done > 0 {
+                    seen = look(done);
+                }
                 let since = Instant::now();
-                while since.elapsed() < MAX_YIELD && ahead() && look(done) == DiskLook::OthersRead {
+                while seen == DiskLook::OthersRead && since.elapsed() < MAX_YIELD && ahead() {
                     std::thread::sleep(YIELD_PAUSE);
+                    seen = look(done);
                 }
             }
             let end = if shared && ahead() {
@@ -2040,6 +2047,47 @@ mod tests {
             want.extend(["look", "fetch"]);
         }
         assert_eq!(*events.lock(), want);
+    }
+
+    /// A look answers for the time since the one before. A chunk whose first look finds
+    /// that others read waits before its first piece, instead of looking again at once
+    /// (a look at no time at all, which always finds the disk quiet).
+    #[test]
+    fn a_chunk_whose_first_look_finds_others_reading_waits_before_its_first_piece() {
+        let looked = Arc::new(Mutex::new(Vec::<Instant>::new()));
+        let l = looked.clone();
+        let look = move |_, _| {
+            let mut at = l.lock();
+            at.push(Instant::now());
+            if at.len() == 1 {
+                DiskLook::OthersRead
+            } else {
+                DiskLook::Alone
+            }
+        };
+        let fetches = Arc::new(AtomicUsize::new(0));
+        let n = fetches.clone();
+        let src = Input {
+            disk_shared: Some(Box::new(look)),
+            ..xor_sealed(move |off, buf: &mut [u8]| {
+                n.fetch_add(1, Ordering::SeqCst);
+                seal_into(off, buf);
+                Ok(())
+            })
+        };
+        // Not urged: a wait for the whole copy would raise the fill above decode ahead.
+        let _f = start(CHUNK, src, Priority::Ahead);
+        let pieces = (CHUNK / BACKGROUND_PIECE as u64) as usize;
+        wait_until(60, "every piece", || {
+            fetches.load(Ordering::SeqCst) >= pieces
+        });
+        let at = looked.lock();
+        assert!(at.len() >= 2, "{} looks", at.len());
+        assert!(
+            at[1] - at[0] >= YIELD_PAUSE,
+            "looked again after {:?}",
+            at[1] - at[0]
+        );
     }
 
     /// Sealed bytes in the page cache read no disk: their fetch never waits for others,
