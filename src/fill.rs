@@ -1947,7 +1947,11 @@ mod tests {
 
     /// A source that records the length of each fetch, on a disk where each look sees
     /// `look`, each fetch taking `pause`.
-    fn recording_source(look: DiskLook, pause: Duration) -> (Input, Arc<Mutex<Vec<usize>>>) {
+    /// A source whose fetches record their lengths, on a disk that `look` answers for.
+    fn recording_source(
+        look: impl Fn(u64, u64) -> DiskLook + Send + Sync + 'static,
+        pause: Duration,
+    ) -> (Input, Arc<Mutex<Vec<usize>>>) {
         let lens = Arc::new(Mutex::new(Vec::new()));
         let l2 = lens.clone();
         let fetch = move |off, buf: &mut [u8]| {
@@ -1957,7 +1961,7 @@ mod tests {
             Ok(())
         };
         let src = Input {
-            disk_shared: Some(Box::new(move |_, _| look)),
+            disk_shared: Some(Box::new(look)),
             ..xor_sealed(fetch)
         };
         (src, lens)
@@ -1976,7 +1980,7 @@ mod tests {
             (DiskLook::Alone, Priority::Ahead, whole),
             (DiskLook::Unknown, Priority::Demand, whole),
         ] {
-            let (src, lens) = recording_source(look, Duration::ZERO);
+            let (src, lens) = recording_source(move |_, _| look, Duration::ZERO);
             let f = start(n * CHUNK, src, priority);
             // Waiting for the fill would urge it: wait for its fetches first.
             wait_until(60, "every fetch", || {
@@ -1995,7 +1999,7 @@ mod tests {
             assert_eq!(lens.iter().sum::<usize>(), all.len());
         }
         // Others never leave the disk: each piece still comes, and an urge ends the wait.
-        let (src, lens) = recording_source(DiskLook::OthersRead, Duration::from_millis(5));
+        let (src, lens) = recording_source(|_, _| DiskLook::OthersRead, Duration::from_millis(5));
         let f = start(n * CHUNK, src, Priority::Ahead);
         wait_until(60, "pieces while others read", || lens.lock().len() >= 3);
         f.urge();
@@ -2065,22 +2069,11 @@ mod tests {
                 DiskLook::Alone
             }
         };
-        let fetches = Arc::new(AtomicUsize::new(0));
-        let n = fetches.clone();
-        let src = Input {
-            disk_shared: Some(Box::new(look)),
-            ..xor_sealed(move |off, buf: &mut [u8]| {
-                n.fetch_add(1, Ordering::SeqCst);
-                seal_into(off, buf);
-                Ok(())
-            })
-        };
+        let (src, lens) = recording_source(look, Duration::ZERO);
         // Not urged: a wait for the whole copy would raise the fill above decode ahead.
         let _f = start(CHUNK, src, Priority::Ahead);
         let pieces = (CHUNK / BACKGROUND_PIECE as u64) as usize;
-        wait_until(60, "every piece", || {
-            fetches.load(Ordering::SeqCst) >= pieces
-        });
+        wait_until(60, "every piece", || lens.lock().len() >= pieces);
         let at = looked.lock();
         assert!(at.len() >= 2, "{} looks", at.len());
         assert!(
