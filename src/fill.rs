@@ -91,6 +91,9 @@ pub struct Steps {
     /// which leaves the memory the host still backs to the processes that wait meanwhile
     /// (an engine importing, then loading); and they read back a little faster.
     pub ahead: u64,
+    /// Decode ahead of sealed bytes in the page cache (`Input::in_page_cache`): the folios
+    /// of the free blocks a VM's guest reports (see `memfs::Pages`).
+    pub ahead_cached: u64,
     /// When an open or a read waits: folios made of memory the host still backs (see
     /// `memfs::Pages`).
     pub demand: u64,
@@ -101,6 +104,7 @@ impl Steps {
     pub fn of(pages: crate::memfs::Pages) -> Steps {
         Steps {
             ahead: pages.background_step(),
+            ahead_cached: pages.cached_background_step(),
             demand: pages.step(),
         }
     }
@@ -109,6 +113,7 @@ impl Steps {
     pub fn same(step: u64) -> Steps {
         Steps {
             ahead: step,
+            ahead_cached: step,
             demand: step,
         }
     }
@@ -137,6 +142,10 @@ pub struct Input {
     /// `BACKGROUND_PIECE`, each once the disk is quiet (within `MAX_YIELD`). `None`:
     /// fetched whole whatever the priority (a source that is not a local disk).
     pub disk_shared: Option<Box<RangeLookFn>>,
+    /// Whether the sealed bytes of `[off, off + len)` are in the page cache (a local file):
+    /// decode ahead copies them at memory speed, so it has time to take the folios that
+    /// are dear to touch (`Steps::ahead_cached`). `None`: never (any other source).
+    pub in_page_cache: Option<Box<RangeFn>>,
     /// How many chunks may be fetched at once, each by its own thread straight into its
     /// place, ahead of the unlock (a remote source: many GETs in flight). 1: the next chunk
     /// is fetched beside the unlock of the current one.
@@ -228,7 +237,6 @@ enum Fetch {
 struct Inner {
     len: u64,
     steps: Steps,
-    _reservation: Option<crate::memfs::Reservation>,
     /// The writable shared mapping of the file being filled; read-only once complete.
     map: Option<memmap2::MmapRaw>,
     file: Mutex<Option<File>>,
@@ -244,6 +252,10 @@ struct Inner {
     label: String,
     /// The file's hash is running on its own thread (see [`Inner::unlock`]).
     hashing: AtomicBool,
+    /// Last, so dropped last (fields drop in order): the budget comes back only once the
+    /// mapping and the file above have let the tmpfs's pages go, or a fill that takes it
+    /// at once could find the tmpfs still full.
+    _reservation: Option<crate::memfs::Reservation>,
 }
 
 /// A file filling in the background. Dropping the last handle stops the fill and frees its
@@ -403,6 +415,10 @@ impl Fill {
                 })
             }) as Box<RangeLookFn>
         });
+        let in_page_cache = local.as_ref().map(|r| {
+            let r = r.clone();
+            Box::new(move |off, len| r.mostly_cached(off, len)) as Box<RangeFn>
+        });
         // Without O_DIRECT the page cache brings the sealed bytes: ask for them ahead.
         let prefetch: Option<Box<PrefetchFn>> = match &local {
             Some(r) if r.direct.is_none() => {
@@ -455,6 +471,7 @@ impl Fill {
             prefetch,
             fetch_is_dma,
             disk_shared,
+            in_page_cache,
             fetch_ahead,
             digest,
             completed,
@@ -1041,7 +1058,12 @@ impl Inner {
         if *allocated >= to {
             return Ok(());
         }
+        let in_page_cache = || {
+            let cached = self.source.in_page_cache.as_ref();
+            cached.is_some_and(|c| c(*allocated, to - *allocated))
+        };
         let step = match priority {
+            Priority::Ahead if in_page_cache() => self.steps.ahead_cached,
             Priority::Ahead => self.steps.ahead,
             Priority::Demand => self.steps.demand,
         };
@@ -1502,6 +1524,7 @@ mod tests {
             prefetch,
             fetch_is_dma: Box::new(|_, _| false),
             disk_shared: None,
+            in_page_cache: None,
             fetch_ahead: 1,
             digest: None,
             completed: None,
@@ -1533,21 +1556,88 @@ mod tests {
         }
     }
 
-    /// Decode ahead takes 1 MiB folios, a fill someone waits for 128 KiB ones (`Steps`):
-    /// read off the kernel's machine-wide counters of shmem folios made, which only this
-    /// test of the library's moves for 1 MiB.
+    /// Decode ahead takes 1 MiB folios (2 MiB over sealed bytes in the page cache), a fill
+    /// someone waits for 128 KiB ones (`Steps`): read off the kernel's machine-wide
+    /// counters of shmem folios made, which only this test of the library's moves for
+    /// 1 MiB.
+    /// The same through a real view's local shard: `Input::in_page_cache` comes from
+    /// `cachestat` of the sealed file, so decode ahead takes 2 MiB folios while its bytes
+    /// are in the page cache and 1 MiB ones once they are not.
+    #[cfg(feature = "seal")]
     #[test]
-    fn decode_ahead_takes_1_mib_folios_and_a_waited_for_fill_128_kib() {
+    fn decode_ahead_of_a_local_shard_takes_2_mib_folios_only_while_it_is_cached() {
         use crate::memfs::{shmem_folios_made, Pages};
-        let Some(mem) = crate::memfs::tests::memory_fs(64 << 20) else {
+        use crate::testseal;
+        let tmp = tempfile::tempdir().unwrap();
+        let (plain, sealed) = (tmp.path().join("plain"), tmp.path().join("sealed"));
+        let key = crate::key::ModelKey::new([7; 32]);
+        testseal::write_sample_model(&plain, 2048, 1).unwrap();
+        let lock = Some(crate::lock::Version::V2);
+        testseal::seal_dir(&plain, &sealed, &key, lock, [3; 16]).unwrap();
+        let view =
+            Arc::new(crate::sealed::open(&sealed, &key, &"test", &Default::default()).unwrap());
+        let (path, ino) = view
+            .file_paths()
+            .into_iter()
+            .max_by_key(|(_, ino)| view.node(*ino).unwrap().attr.size)
+            .unwrap();
+        let len = view.node(ino).unwrap().attr.size;
+        assert!(len >= 16 << 20, "{path}: {len} bytes");
+        let Some(mem) = crate::memfs::tests::memory_fs(3 * len) else {
+            return;
+        };
+        if mem.pages() != Pages::Folios || shmem_folios_made(2 << 20).is_none() {
+            eprintln!("skipped: this kernel makes no tmpfs folios of each size");
+            return;
+        }
+        let made = |size| shmem_folios_made(size).expect("the counter read a moment ago");
+        let want = view.read(ino, 0, len as usize).unwrap();
+        let decode_ahead = || {
+            let reservation = mem.reserve(len).expect("room for the copy");
+            let f = Fill::of_view(&view, ino, &mem, reservation, Priority::Ahead).unwrap();
+            f.wait_done();
+            let done = f.complete().expect("the fill completes");
+            let mut got = vec![0; len as usize];
+            std::os::unix::fs::FileExt::read_exact_at(done.file(), &mut got, 0).unwrap();
+            assert!(
+                got[..] == want[..],
+                "{path}: the copy differs from the view"
+            );
+        };
+        let sealed_file = File::open(sealed.join(&path)).unwrap();
+        let _ = std::io::Read::read_to_end(&mut &sealed_file, &mut Vec::new()).unwrap();
+        let huge = made(2 << 20);
+        decode_ahead();
+        let huge_after = made(2 << 20);
+        assert!(
+            huge_after >= huge + len / (2 << 20),
+            "cached: {huge} -> {huge_after}"
+        );
+        sealed_file.sync_all().unwrap();
+        crate::testkit::drop_page_cache(&sealed_file);
+        let large = made(1 << 20);
+        decode_ahead();
+        let large_after = made(1 << 20);
+        assert!(
+            large_after >= large + len / (1 << 20),
+            "from the disk: {large} -> {large_after}"
+        );
+    }
+
+    #[test]
+    fn decode_ahead_takes_1_mib_folios_2_mib_over_cached_bytes_and_a_waited_for_fill_128_kib() {
+        use crate::memfs::{shmem_folios_made, Pages};
+        let len = 8 * CHUNK;
+        // Room for all three files: a fill's threads may still hold its file for a moment
+        // after it completes (nothing here takes a budget reservation to wait on).
+        let Some(mem) = crate::memfs::tests::memory_fs(3 * len) else {
             return;
         };
         if mem.pages() != Pages::Folios {
             eprintln!("skipped: this kernel makes no tmpfs folios below 2 MiB");
             return;
         }
-        let len = 8 * CHUNK;
-        let fill_at = |p: Priority| {
+        let fill_at = |p: Priority, cached: bool| {
             let target = Target {
                 file: mem.create().unwrap(),
                 len,
@@ -1555,7 +1645,11 @@ mod tests {
                 seal: Box::new(crate::memfs::seal),
                 reservation: None,
             };
-            let f = Fill::start(target, source(decode_ok), p, "test".into()).unwrap();
+            let src = Input {
+                in_page_cache: Some(Box::new(move |_, _| cached)),
+                ..source(decode_ok)
+            };
+            let f = Fill::start(target, src, p, "test".into()).unwrap();
             // At its own priority: `wait_complete` would raise it.
             f.wait_done();
             let done = f.complete().expect("the fill completes");
@@ -1569,7 +1663,7 @@ mod tests {
         }
         let made = |size| shmem_folios_made(size).expect("the counter read a moment ago");
         let (small, large) = (made(128 << 10), made(1 << 20));
-        fill_at(Priority::Demand);
+        fill_at(Priority::Demand, true);
         let (small_after, large_after) = (made(128 << 10), made(1 << 20));
         assert!(
             small_after >= small + len / (128 << 10),
@@ -1579,11 +1673,21 @@ mod tests {
             large_after < large + len / (1 << 20),
             "{large} -> {large_after}"
         );
-        fill_at(Priority::Ahead);
+        fill_at(Priority::Ahead, false);
         let large_ahead = made(1 << 20);
         assert!(
             large_ahead >= large_after + len / (1 << 20),
             "{large_after} -> {large_ahead}"
+        );
+        let Some(huge) = shmem_folios_made(2 << 20) else {
+            eprintln!("skipped: no 2 MiB shmem folio counter");
+            return;
+        };
+        fill_at(Priority::Ahead, true);
+        let huge_after = made(2 << 20);
+        assert!(
+            huge_after >= huge + len / (2 << 20),
+            "{huge} -> {huge_after}"
         );
     }
 
@@ -1907,6 +2011,7 @@ mod tests {
             prefetch: None,
             fetch_is_dma: Box::new(|_, _| false),
             disk_shared: None,
+            in_page_cache: None,
             fetch_ahead: 1,
             digest: None,
             completed: None,

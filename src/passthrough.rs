@@ -1211,6 +1211,7 @@ mod tests {
             prefetch: None,
             fetch_is_dma: Box::new(|_, _| false),
             disk_shared: None,
+            in_page_cache: None,
             fetch_ahead: 1,
             digest: None,
             completed: None,
