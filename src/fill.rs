@@ -1556,17 +1556,19 @@ mod tests {
         }
     }
 
-    /// Decode ahead takes 1 MiB folios (2 MiB over sealed bytes in the page cache), a fill
-    /// someone waits for 128 KiB ones (`Steps`): read off the kernel's machine-wide
-    /// counters of shmem folios made, which only this test of the library's moves for
-    /// 1 MiB.
-    /// The same through a real view's local shard: `Input::in_page_cache` comes from
+    /// The kernel's counters of shmem folios made are machine-wide, and one of the tests
+    /// that read them checks that a fill made no 1 MiB folios: they take turns (no other
+    /// test of the library's makes 1 MiB folios).
+    static FOLIO_COUNTERS: parking_lot::Mutex<()> = parking_lot::Mutex::new(());
+
+    /// Decode ahead through a real view's local shard: `Input::in_page_cache` comes from
     /// `cachestat` of the sealed file, so decode ahead takes 2 MiB folios while its bytes
     /// are in the page cache and 1 MiB ones once they are not.
     #[cfg(feature = "seal")]
     #[test]
     fn decode_ahead_of_a_local_shard_takes_2_mib_folios_only_while_it_is_cached() {
         use crate::memfs::{shmem_folios_made, Pages};
+        let _turn = FOLIO_COUNTERS.lock();
         use crate::testseal;
         let tmp = tempfile::tempdir().unwrap();
         let (plain, sealed) = (tmp.path().join("plain"), tmp.path().join("sealed"));
@@ -1624,9 +1626,13 @@ mod tests {
         );
     }
 
+    /// Decode ahead takes 1 MiB folios (2 MiB over sealed bytes in the page cache), a fill
+    /// someone waits for 128 KiB ones (`Steps`): read off the kernel's counters of shmem
+    /// folios made.
     #[test]
     fn decode_ahead_takes_1_mib_folios_2_mib_over_cached_bytes_and_a_waited_for_fill_128_kib() {
         use crate::memfs::{shmem_folios_made, Pages};
+        let _turn = FOLIO_COUNTERS.lock();
         let len = 8 * CHUNK;
         // Room for all three files: a fill's threads may still hold its file for a moment
         // after it completes (nothing here takes a budget reservation to wait on).
