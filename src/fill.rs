@@ -1063,7 +1063,11 @@ impl Inner {
             cached.is_some_and(|c| c(*allocated, to - *allocated))
         };
         let step = match priority {
-            Priority::Ahead if in_page_cache() => self.steps.ahead_cached,
+            // Not the first two chunks: an open that comes with the mount waits for the
+            // first, and the second's memory is allocated beside the first's unlock.
+            Priority::Ahead if *allocated >= 2 * CHUNK && in_page_cache() => {
+                self.steps.ahead_cached
+            }
             Priority::Ahead => self.steps.ahead,
             Priority::Demand => self.steps.demand,
         };
@@ -1573,7 +1577,7 @@ mod tests {
         let tmp = tempfile::tempdir().unwrap();
         let (plain, sealed) = (tmp.path().join("plain"), tmp.path().join("sealed"));
         let key = crate::key::ModelKey::new([7; 32]);
-        testseal::write_sample_model(&plain, 2048, 1).unwrap();
+        testseal::write_sample_model(&plain, 2048, 2).unwrap();
         let lock = Some(crate::lock::Version::V2);
         testseal::seal_dir(&plain, &sealed, &key, lock, [3; 16]).unwrap();
         let view =
@@ -1584,7 +1588,7 @@ mod tests {
             .max_by_key(|(_, ino)| view.node(*ino).unwrap().attr.size)
             .unwrap();
         let len = view.node(ino).unwrap().attr.size;
-        assert!(len >= 16 << 20, "{path}: {len} bytes");
+        assert!(len >= 4 * CHUNK, "{path}: {len} bytes");
         let Some(mem) = crate::memfs::tests::memory_fs(3 * len) else {
             return;
         };
@@ -1612,7 +1616,7 @@ mod tests {
         decode_ahead();
         let huge_after = made(2 << 20);
         assert!(
-            huge_after >= huge + len / (2 << 20),
+            huge_after >= huge + (len - 2 * CHUNK) / (2 << 20),
             "cached: {huge} -> {huge_after}"
         );
         sealed_file.sync_all().unwrap();
@@ -1689,11 +1693,17 @@ mod tests {
             eprintln!("skipped: no 2 MiB shmem folio counter");
             return;
         };
+        let large = made(1 << 20);
         fill_at(Priority::Ahead, true);
-        let huge_after = made(2 << 20);
+        let (huge_after, large_after) = (made(2 << 20), made(1 << 20));
         assert!(
-            huge_after >= huge + len / (2 << 20),
+            huge_after >= huge + (len - 2 * CHUNK) / (2 << 20),
             "{huge} -> {huge_after}"
+        );
+        // The first two chunks', which an open that comes with the mount waits for.
+        assert!(
+            large_after >= large + 2 * CHUNK / (1 << 20),
+            "{large} -> {large_after}"
         );
     }
 
@@ -2338,13 +2348,21 @@ mod tests {
         let bad = 3;
         for (fetch_ahead, step) in [(1, "unlock"), (4, "unlock"), (4, "fetch")] {
             let (mut src, _, _) = sealed_source(fetch_ahead, None);
-            if step == "unlock" {
-                src.unlock = Box::new(move |off, buf: &mut [u8]| {
-                    assert!(off / CHUNK != bad, "a bug in the unlock");
-                    buf.iter_mut().for_each(|b| *b ^= 0x5a);
-                    Ok(())
-                });
-            } else {
+            // The chunks the fill itself unlocked: all but the bad one, not only those
+            // before it (as if its thread had died there).
+            let unlocked = Arc::new(Mutex::new(std::collections::BTreeSet::new()));
+            let (seen, unlock_panics) = (unlocked.clone(), step == "unlock");
+            let unlock = std::mem::replace(&mut src.unlock, Box::new(|_, _| Ok(())));
+            src.unlock = Box::new(move |off, buf: &mut [u8]| {
+                assert!(
+                    !(unlock_panics && off / CHUNK == bad),
+                    "a bug in the unlock"
+                );
+                unlock(off, buf)?;
+                seen.lock().insert(off / CHUNK);
+                Ok(())
+            });
+            if step == "fetch" {
                 let fetch = std::mem::replace(&mut src.fetch, Box::new(|_, _| Ok(())));
                 src.fetch = Box::new(move |off, buf: &mut [u8]| {
                     assert!(off / CHUNK != bad, "a bug in the fetch");
@@ -2357,6 +2375,8 @@ mod tests {
                 f.progress() != Progress::Filling
             });
             assert_eq!(f.progress(), Progress::Broken, "{fetch_ahead} {step}");
+            let others: std::collections::BTreeSet<u64> = (0..n).filter(|&c| c != bad).collect();
+            assert_eq!(*unlocked.lock(), others, "{fetch_ahead} {step}");
             for c in 0..n {
                 let mut out = vec![0u8; 4096];
                 assert_eq!(f.read(c * CHUNK + 11, &mut out).unwrap(), 4096);
