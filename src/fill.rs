@@ -1572,8 +1572,8 @@ mod tests {
     #[test]
     fn decode_ahead_of_a_local_shard_takes_2_mib_folios_only_while_it_is_cached() {
         use crate::memfs::{shmem_folios_made, Pages};
-        let _turn = FOLIO_COUNTERS.lock();
         use crate::testseal;
+        let _turn = FOLIO_COUNTERS.lock();
         let tmp = tempfile::tempdir().unwrap();
         let (plain, sealed) = (tmp.path().join("plain"), tmp.path().join("sealed"));
         let key = crate::key::ModelKey::new([7; 32]);
