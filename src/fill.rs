@@ -61,6 +61,10 @@ const PREFETCH_STEP: u64 = 16 << 20;
 /// comes in soon over a link they share; each doubling costs one fetch's time where every
 /// connection has a bandwidth of its own (S3), about two fetch times per fill.
 const FIRST_FETCHES: usize = 4;
+/// The start of a file that decode ahead never makes of `Steps::ahead_cached` folios: an
+/// open that comes with the mount waits for the first chunk, and the second's memory is
+/// allocated beside the first one's unlock.
+const AWAITED_START: u64 = 2 * CHUNK;
 
 /// Decoded bytes of the file at an offset, any range (the view's read path).
 pub type DecodeFn = dyn Fn(u64, &mut [u8]) -> Result<(), ReadError> + Send + Sync;
@@ -1063,9 +1067,7 @@ impl Inner {
             cached.is_some_and(|c| c(*allocated, to - *allocated))
         };
         let step = match priority {
-            // Not the first two chunks: an open that comes with the mount waits for the
-            // first, and the second's memory is allocated beside the first's unlock.
-            Priority::Ahead if *allocated >= 2 * CHUNK && in_page_cache() => {
+            Priority::Ahead if *allocated >= AWAITED_START && in_page_cache() => {
                 self.steps.ahead_cached
             }
             Priority::Ahead => self.steps.ahead,
@@ -1545,6 +1547,13 @@ mod tests {
         Fill::start(scratch(len), src, p, "test".into()).unwrap()
     }
 
+    /// Every byte of a completed copy.
+    fn copy_bytes(m: &MemoryFile) -> Vec<u8> {
+        let mut all = vec![0u8; m.len() as usize];
+        std::os::unix::fs::FileExt::read_exact_at(m.file(), &mut all, 0).unwrap();
+        all
+    }
+
     /// Poll `holds` until it is true, failing with `what` after `secs` seconds.
     fn wait_until(secs: u64, what: &str, mut holds: impl FnMut() -> bool) {
         let deadline = Instant::now() + Duration::from_secs(secs);
@@ -1602,9 +1611,7 @@ mod tests {
             let reservation = mem.reserve(len).expect("room for the copy");
             let f = Fill::of_view(&view, ino, &mem, reservation, Priority::Ahead).unwrap();
             f.wait_done();
-            let done = f.complete().expect("the fill completes");
-            let mut got = vec![0; len as usize];
-            std::os::unix::fs::FileExt::read_exact_at(done.file(), &mut got, 0).unwrap();
+            let got = copy_bytes(&f.complete().expect("the fill completes"));
             assert!(
                 got[..] == want[..],
                 "{path}: the copy differs from the view"
@@ -1616,7 +1623,7 @@ mod tests {
         decode_ahead();
         let huge_after = made(2 << 20);
         assert!(
-            huge_after >= huge + (len - 2 * CHUNK) / (2 << 20),
+            huge_after >= huge + (len - AWAITED_START) / (2 << 20),
             "cached: {huge} -> {huge_after}"
         );
         sealed_file.sync_all().unwrap();
@@ -1662,10 +1669,7 @@ mod tests {
             let f = Fill::start(target, src, p, "test".into()).unwrap();
             // At its own priority: `wait_complete` would raise it.
             f.wait_done();
-            let done = f.complete().expect("the fill completes");
-            let mut got = vec![0; len as usize];
-            std::os::unix::fs::FileExt::read_exact_at(done.file(), &mut got, 0).unwrap();
-            expect(0, &got);
+            expect(0, &copy_bytes(&f.complete().expect("the fill completes")));
         };
         if shmem_folios_made(128 << 10).is_none() || shmem_folios_made(1 << 20).is_none() {
             eprintln!("skipped: no shmem folio counters");
@@ -1697,12 +1701,11 @@ mod tests {
         fill_at(Priority::Ahead, true);
         let (huge_after, large_after) = (made(2 << 20), made(1 << 20));
         assert!(
-            huge_after >= huge + (len - 2 * CHUNK) / (2 << 20),
+            huge_after >= huge + (len - AWAITED_START) / (2 << 20),
             "{huge} -> {huge_after}"
         );
-        // The first two chunks', which an open that comes with the mount waits for.
         assert!(
-            large_after >= large + 2 * CHUNK / (1 << 20),
+            large_after >= large + AWAITED_START / (1 << 20),
             "{large} -> {large_after}"
         );
     }
@@ -2066,9 +2069,8 @@ mod tests {
         (src, fetches, most)
     }
 
-    /// A source that records the length of each fetch, on a disk where each look sees
-    /// `look`, each fetch taking `pause`.
-    /// A source whose fetches record their lengths, on a disk that `look` answers for.
+    /// A source whose fetches record their lengths, each taking `pause`, on a disk that
+    /// `look` answers for.
     fn recording_source(
         look: impl Fn(u64, u64) -> DiskLook + Send + Sync + 'static,
         pause: Duration,
@@ -2107,10 +2109,7 @@ mod tests {
             wait_until(60, "every fetch", || {
                 lens.lock().iter().sum::<usize>() >= (n * CHUNK) as usize
             });
-            let m = f.wait_complete(Duration::from_secs(60)).expect("complete");
-            let mut all = vec![0u8; (n * CHUNK) as usize];
-            use std::os::unix::fs::FileExt;
-            m.file().read_exact_at(&mut all, 0).unwrap();
+            let all = copy_bytes(&f.wait_complete(Duration::from_secs(60)).expect("complete"));
             expect(0, &all);
             let lens = lens.lock();
             assert!(
@@ -2160,10 +2159,7 @@ mod tests {
             events.lock().iter().filter(|&&e| e == "fetch").count() >= 8
         });
         let m = f.wait_complete(Duration::from_secs(60)).expect("complete");
-        let mut all = vec![0u8; CHUNK as usize];
-        use std::os::unix::fs::FileExt;
-        m.file().read_exact_at(&mut all, 0).unwrap();
-        expect(0, &all);
+        expect(0, &copy_bytes(&m));
         // The chunk's look, three waits, the quiet look, a piece; a quiet look, a piece;
         // others, a wait, a quiet look, a piece; then one quiet look per piece.
         let mut want = vec!["look"; 5];
@@ -2232,10 +2228,7 @@ mod tests {
             expect(c * CHUNK + 100, &out);
         }
         let m = f.wait_complete(Duration::from_secs(60)).expect("complete");
-        let mut all = vec![0u8; (n * CHUNK) as usize];
-        use std::os::unix::fs::FileExt;
-        m.file().read_exact_at(&mut all, 0).unwrap();
-        expect(0, &all);
+        expect(0, &copy_bytes(&m));
         assert_eq!(fetches.load(Ordering::SeqCst), n as usize);
         most.load(Ordering::SeqCst)
     }
@@ -2277,10 +2270,7 @@ mod tests {
         src.fetch_ahead = 16;
         let f = start(n * CHUNK, src, Priority::Demand);
         let m = f.wait_complete(Duration::from_secs(60)).expect("complete");
-        let mut all = vec![0u8; (n * CHUNK) as usize];
-        use std::os::unix::fs::FileExt;
-        m.file().read_exact_at(&mut all, 0).unwrap();
-        expect(0, &all);
+        expect(0, &copy_bytes(&m));
         assert_eq!(started.load(Ordering::SeqCst), n as usize);
         let first = started_by_first.load(Ordering::SeqCst);
         assert_eq!(

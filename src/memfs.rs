@@ -66,7 +66,7 @@ impl Pages {
     /// allocates after its load (a CPU engine's KV cache). Copying cached bytes is quick,
     /// which leaves the fill time for the dearer memory; bytes read from the disk do not
     /// (a cold start would wait for the slower fill), nor do a file's first two chunks,
-    /// which an open that comes with the mount waits for (`fill::Inner::allocate`).
+    /// which an open that comes with the mount waits for (`fill::AWAITED_START`).
     pub fn cached_background_step(self) -> u64 {
         2 << 20
     }
