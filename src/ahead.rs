@@ -9,12 +9,20 @@
 //! opened meanwhile is left to its open. Copies decoded ahead and not opened yet are the
 //! last let go when an open needs room (`OpenTable::make_room`), and are kept until opened:
 //! their grace period starts at their last close.
+//!
+//! Check ahead ([`CheckAhead`]) is the same idea where there are no decoded copies (serving
+//! through FUSE): a file under a manifest is hashed whole before its first byte is served,
+//! so the files are hashed in the same order right after mounting, in the background, and
+//! an open finds the verdict in instead of waiting for a hash of the whole file.
 
 use std::cmp::Ordering;
+use std::collections::HashSet;
 use std::sync::Arc;
 use std::time::Duration;
 
-use crate::fill::Fill;
+use parking_lot::Mutex;
+
+use crate::fill::{run_in_background, Fill};
 use crate::view::{Content, Ino, View};
 
 /// The index engines read to find the shards of a sharded checkpoint.
@@ -168,9 +176,149 @@ fn run(view: &View, budget: impl Fn() -> Option<u64>, decode: impl Fn(Ino, usize
     log::debug!("decode ahead: done");
 }
 
+/// Check ahead: the files under a manifest hashed right after mounting, in the order
+/// engines read them (the shards as [`order`] gives them, then any other file by path), one
+/// at a time on a thread of its own in the background (`SCHED_IDLE`). Through FUSE an open
+/// of such a file waits for its verdict: hashed ahead, it finds the verdict in, or its hash
+/// under way and urged to the normal policy (a hash one waits for must not run only on idle
+/// cycles). A local file's sealed bytes are then in the page cache for the reads that
+/// follow.
+pub struct CheckAhead {
+    state: Mutex<Checking>,
+}
+
+#[derive(Default)]
+struct Checking {
+    /// The file being hashed ahead, and whether an open urged its hash.
+    current: Option<Ino>,
+    urged: bool,
+    /// The check-ahead thread.
+    tid: Option<libc::pid_t>,
+    /// Files an open asked for before their hash ahead began: hashed by the open itself.
+    opened: HashSet<Ino>,
+}
+
+impl CheckAhead {
+    fn new() -> CheckAhead {
+        CheckAhead {
+            state: Mutex::new(Checking::default()),
+        }
+    }
+
+    /// Start checking ahead on a thread of its own; `None` if it could not start.
+    pub fn start(view: Arc<View>) -> Option<Arc<CheckAhead>> {
+        let files = check_order(&view);
+        if files.is_empty() {
+            return None;
+        }
+        let check = Arc::new(CheckAhead::new());
+        let c = check.clone();
+        let run = move || {
+            // SAFETY: gettid has no preconditions.
+            c.state.lock().tid = Some(unsafe { libc::gettid() });
+            log::debug!("check ahead: {} files", files.len());
+            for ino in files {
+                if c.claim(ino) {
+                    // A mismatch is logged by the verdict itself; its opens fail.
+                    let _ = view.verify(ino);
+                    c.done();
+                }
+            }
+            log::debug!("check ahead: done");
+        };
+        match std::thread::Builder::new()
+            .name("kllm-check".into())
+            .spawn(run)
+        {
+            Ok(_) => Some(check),
+            Err(e) => {
+                log::warn!("no check ahead ({e}): files are hashed on their first open");
+                None
+            }
+        }
+    }
+
+    /// Whether the check-ahead thread hashes file `ino` now (in the background), or leaves
+    /// it to the open that asked for it first.
+    fn claim(&self, ino: Ino) -> bool {
+        let mut s = self.state.lock();
+        if s.opened.contains(&ino) {
+            return false;
+        }
+        if let Some(tid) = s.tid {
+            run_in_background(tid, true);
+        }
+        s.current = Some(ino);
+        s.urged = false;
+        true
+    }
+
+    fn done(&self) {
+        let mut s = self.state.lock();
+        s.current = None;
+        s.urged = false;
+    }
+
+    /// An open is about to wait for file `ino`'s verdict: a hash of it under way ahead is
+    /// urged to the normal policy, and one not begun is left to the open. Whether it urged.
+    pub fn before_verdict(&self, ino: Ino) -> bool {
+        let mut s = self.state.lock();
+        if s.current == Some(ino) {
+            if !s.urged {
+                s.urged = true;
+                if let Some(tid) = s.tid {
+                    run_in_background(tid, false);
+                }
+                log::debug!("check ahead urged by an open");
+            }
+            return true;
+        }
+        s.opened.insert(ino);
+        false
+    }
+}
+
+/// The files check ahead hashes: those whose verdict is not in, shards first.
+fn check_order(view: &View) -> Vec<Ino> {
+    let mut files = order(view);
+    let rest: Vec<Ino> = view
+        .file_paths()
+        .into_iter()
+        .map(|(_, ino)| ino)
+        .filter(|ino| !files.contains(ino))
+        .collect();
+    files.extend(rest);
+    files.retain(|&ino| view.awaits_verdict(ino));
+    files
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// An open that comes first hashes the file itself (check ahead skips it); one that
+    /// comes while the file is hashed ahead urges that hash once, and later files go back
+    /// to the background.
+    #[test]
+    fn check_ahead_leaves_a_file_opened_first_and_urges_one_under_way() {
+        let c = CheckAhead::new();
+        assert!(!c.before_verdict(3), "nothing under way: the open hashes");
+        assert!(!c.claim(3), "a file an open asked for first is left to it");
+        assert!(c.claim(4));
+        assert!(
+            c.before_verdict(4),
+            "an open of the file under way urges it"
+        );
+        assert!(c.state.lock().urged);
+        assert!(c.before_verdict(4), "a second open finds it urged");
+        c.done();
+        assert!(c.claim(5));
+        assert!(
+            !c.state.lock().urged,
+            "the next file starts in the background"
+        );
+        assert!(!c.before_verdict(4), "a file done: its verdict is in");
+    }
 
     #[test]
     fn natural_order_of_shard_names() {

@@ -53,9 +53,10 @@ pub struct Args {
     /// 5m, 0). Copies are let go sooner when an open or memory pressure needs their memory.
     #[arg(long, value_name = "DURATION", default_value = "60s", value_parser = parse_duration)]
     pub keep_decoded: std::time::Duration,
-    /// In passthrough mode, do not decode the shards ahead of their first open (by
-    /// default the daemon decodes them right after mounting, in the order engines load
-    /// them, within --passthrough-memory, at low priority).
+    /// Do not work ahead of the first opens: by default, right after mounting and at low
+    /// priority, the daemon decodes the shards in the order engines load them (passthrough
+    /// mode, within --passthrough-memory), or through FUSE hashes the files under a
+    /// manifest in that order, so their opens need not wait for the hash.
     #[arg(long)]
     pub no_decode_ahead: bool,
     /// FUSE options, comma-separated (e.g. allow_other; never on by default). Every long option

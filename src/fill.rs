@@ -1411,7 +1411,7 @@ fn beside_hash_pool() -> Option<&'static rayon::ThreadPool> {
 /// importing beside decode ahead on two cores took 1.09x its time alone at nice 19, 1.04x
 /// under `SCHED_IDLE` (docs/PERFORMANCE.md, "Engines"). A failure costs speed, not
 /// correctness.
-fn run_in_background(tid: libc::pid_t, background: bool) {
+pub(crate) fn run_in_background(tid: libc::pid_t, background: bool) {
     if Background::chosen() == Background::Nice {
         // SAFETY: setpriority on one thread id; on Linux PRIO_PROCESS with a thread id
         // affects that thread alone.

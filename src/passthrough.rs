@@ -18,7 +18,7 @@ use std::time::{Duration, Instant};
 
 use parking_lot::{Condvar, Mutex, MutexGuard};
 
-use crate::ahead::Ahead;
+use crate::ahead::{Ahead, CheckAhead};
 use crate::fill::{Fill, Priority};
 use crate::memfs::{MemoryFile, MemoryFs};
 use crate::pressure::Guard;
@@ -189,6 +189,8 @@ pub struct Opens<B> {
     guard: Option<Arc<Guard>>,
     /// Files already logged as served through FUSE for lack of memory.
     told: Arc<Mutex<HashSet<Ino>>>,
+    /// Through FUSE: the files under a manifest hashed ahead of their opens.
+    check_ahead: std::sync::OnceLock<Arc<CheckAhead>>,
 }
 
 impl<B: Send + Sync + 'static> Opens<B> {
@@ -200,6 +202,7 @@ impl<B: Send + Sync + 'static> Opens<B> {
             copies,
             guard: None,
             told: Arc::new(Mutex::new(HashSet::new())),
+            check_ahead: std::sync::OnceLock::new(),
         }
     }
 
@@ -232,10 +235,16 @@ impl<B: Send + Sync + 'static> Opens<B> {
         &self.mode
     }
 
-    /// Start what runs beside the opens in passthrough mode: the keeper that lets go of
-    /// copies whose grace period ended, and decode ahead (src/ahead.rs) unless turned off.
+    /// Start what runs beside the opens: in passthrough mode the keeper that lets go of
+    /// copies whose grace period ended, and decode ahead (src/ahead.rs); through FUSE, check
+    /// ahead. Neither ahead when turned off.
     pub fn start_background(&self) {
         if self.mode.passthrough().is_none() {
+            if self.copies.decode_ahead {
+                if let Some(check) = CheckAhead::start(self.view.clone()) {
+                    let _ = self.check_ahead.set(check);
+                }
+            }
             return;
         }
         let table = Arc::downgrade(&self.table);
@@ -296,6 +305,11 @@ impl<B: Send + Sync + 'static> Opens<B> {
             },
         };
         if let Opened::Fuse { fh, .. } = opened {
+            if let Some(check) = self.check_ahead.get() {
+                if self.view.awaits_verdict(ino) {
+                    check.before_verdict(ino);
+                }
+            }
             if let Err(e) = self.view.verify(ino) {
                 self.table.release(fh);
                 return Err(e);

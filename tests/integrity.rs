@@ -306,10 +306,56 @@ fn a_verified_file_rewritten_later_fails() {
 }
 
 #[test]
+fn through_fuse_files_are_checked_ahead_of_their_opens() {
+    let s = fixture();
+    let m = Mnt::new();
+    s.mount(&m, &["--mode", "fuse"]);
+    wait_for(20, "every file checked with none opened", || {
+        let st = status(&m);
+        assert_eq!(st["opens"], 0, "{st}");
+        st["verified_files"] == s.view.len() as u64
+    });
+    for (rel, want) in &s.view {
+        assert!(&fs::read(m.path(rel)).unwrap() == want, "{rel}");
+    }
+    assert_eq!(status(&m)["verified_files"], s.view.len() as u64);
+    drop(m);
+
+    // Turned off with decode ahead: a shard is checked on its first open only.
+    let m = Mnt::new();
+    s.mount(&m, &["--mode", "fuse", "--no-decode-ahead"]);
+    std::thread::sleep(std::time::Duration::from_millis(500));
+    let st = status(&m);
+    let shards = 2;
+    assert!(
+        st["verified_files"].as_u64().unwrap() <= s.view.len() as u64 - shards,
+        "{st}"
+    );
+    drop(m);
+
+    // A shard altered after sealing is found with nothing opened, and its opens fail.
+    flip(&s.sealed(), SHARD, -7);
+    let m = Mnt::new();
+    s.mount(&m, &["--mode", "fuse"]);
+    wait_for(20, "the altered shard found with none opened", || {
+        let st = status(&m);
+        assert_eq!(st["opens"], 0, "{st}");
+        st["failed_files"] == 1
+    });
+    assert_reads_fail(&m, SHARD, "checked ahead");
+    let other = "model-00001-of-00002.safetensors";
+    assert!(fs::read(m.path(other)).unwrap() == s.bytes(other));
+}
+
+#[test]
 fn status_counts_what_was_read() {
     let s = fixture();
     let m = Mnt::new();
-    s.mount(&m, &["--mode", "fuse", "--cache-size", "0"]);
+    // No check ahead, so the shard is checked on its first open (counted below).
+    s.mount(
+        &m,
+        &["--mode", "fuse", "--cache-size", "0", "--no-decode-ahead"],
+    );
     let st = status(&m);
     let counters = METRICS.iter().map(|m| m.field);
     for field in ["mode", "sealed", "mounted_at"].into_iter().chain(counters) {
