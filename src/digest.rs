@@ -35,6 +35,8 @@ pub fn open_regular(path: &Path) -> io::Result<File> {
 pub struct DigestFeed {
     state: Mutex<Feed>,
     changed: Condvar,
+    /// Bytes hashed so far.
+    fed: std::sync::atomic::AtomicU64,
 }
 
 #[derive(Default, Clone, Copy)]
@@ -71,6 +73,11 @@ impl DigestFeed {
         }
     }
 
+    /// How many bytes from the start were hashed so far.
+    pub fn fed(&self) -> u64 {
+        self.fed.load(std::sync::atomic::Ordering::Relaxed)
+    }
+
     /// Whether the feeder gave up.
     pub fn gave_up(&self) -> bool {
         matches!(*self.state.lock(), Feed::GaveUp)
@@ -104,6 +111,9 @@ impl DigestFeeder {
         }
         self.hasher.update(bytes);
         self.next += bytes.len() as u64;
+        self.feed
+            .fed
+            .store(self.next, std::sync::atomic::Ordering::Relaxed);
         self.finish_if_whole();
         true
     }

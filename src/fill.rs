@@ -807,7 +807,8 @@ impl Inner {
                 // SAFETY: as above; `i` and `next` are different chunks.
                 let buf = unsafe { self.chunk_mut(i) };
                 result = std::thread::scope(|scope| {
-                    let unlocking = scope.spawn(move || self.unlock(priority, a, buf));
+                    let pool = self.unlock_pool(priority, false);
+                    let unlocking = scope.spawn(move || self.unlock(pool, a, buf));
                     if let Some(k) = then {
                         // Chunk `k` is Pending: nothing reads or writes it until this
                         // thread takes it, and faulting pages in leaves their bytes as they
@@ -847,6 +848,8 @@ impl Inner {
         // at once would share the link evenly, so the first chunk, which the decode and the
         // first reader wait for, would come in only with the last of them.
         let mut ramp = FIRST_FETCHES;
+        // The chunk whose sealed bytes the digest took beside the unlock before.
+        let mut hashed_ahead = None;
         loop {
             let (i, priority, jobs) = {
                 let mut s = self.state.lock();
@@ -916,24 +919,90 @@ impl Inner {
                     };
                 }
             }
-            {
-                let mut digest = self.digest.lock();
-                if let Some(feeder) = digest.as_mut() {
-                    // SAFETY: as below; read before the unlock turns the bytes into view bytes.
-                    let fed = result.is_ok() && feeder.feed(a, unsafe { self.chunk_mut(i) });
-                    if !fed {
-                        *digest = None;
-                    }
-                }
+            if hashed_ahead != Some(i) {
+                // SAFETY: as below; read before the unlock turns the bytes into view bytes.
+                self.feed_digest(result.is_ok(), a, unsafe { self.chunk_mut(i) });
             }
+            hashed_ahead = None;
             if result.is_ok() {
+                // The next chunk in file order, once its fetch is in: its sealed bytes are
+                // hashed on this thread while chunk `i` is unlocked, so the digest, one
+                // stream on one core, runs beside the unlock instead of between unlocks.
+                let next = (i + 1 < n && self.digest.lock().is_some())
+                    .then(|| {
+                        let s = self.state.lock();
+                        let coming = matches!(
+                            s.fetches[i + 1],
+                            Fetch::Queued | Fetch::Running | Fetch::Fetched
+                        );
+                        (s.chunks[i + 1] == Chunk::Pending && coming).then_some(i + 1)
+                    })
+                    .flatten();
+                let pool = self.unlock_pool(priority, next.is_some());
                 // SAFETY: chunk `i` is Busy and its fetch is over: only this thread touches
                 // its bytes until it is marked Done or Failed.
-                result = self.unlock(priority, a, unsafe { self.chunk_mut(i) });
+                let buf = unsafe { self.chunk_mut(i) };
+                let unlocked = &AtomicBool::new(false);
+                result = match next {
+                    None => self.unlock(pool, a, buf),
+                    Some(j) => std::thread::scope(|scope| {
+                        let unlocking = scope.spawn(move || {
+                            let r = self.unlock(pool, a, buf);
+                            let _s = self.state.lock();
+                            unlocked.store(true, Ordering::Relaxed);
+                            self.fetch_moved.notify_all();
+                            r
+                        });
+                        if self.fetched_before(j, unlocked) {
+                            // SAFETY: chunk `j` is Pending with its fetch over: nothing
+                            // writes its bytes until this thread takes it, and hashing only
+                            // reads them.
+                            let bytes = unsafe { self.chunk_mut(j) };
+                            if self.feed_digest(true, self.range(j).0, bytes) {
+                                hashed_ahead = Some(j);
+                            }
+                        }
+                        unlocking.join().unwrap_or_else(|_| {
+                            Err(ReadError::Io(io::Error::other("decode panicked")))
+                        })
+                    }),
+                };
             }
             self.chunk_ended(i, result, failures);
         }
         true
+    }
+
+    /// Wait until chunk `j`'s fetch is in (true), or it failed, the fill was cancelled or
+    /// `unlocked` is set (false).
+    fn fetched_before(&self, j: usize, unlocked: &AtomicBool) -> bool {
+        let mut s = self.state.lock();
+        loop {
+            if s.chunks[j] != Chunk::Pending || s.cancelled {
+                return false;
+            }
+            match s.fetches[j] {
+                Fetch::Fetched => return true,
+                Fetch::Queued | Fetch::Running if !unlocked.load(Ordering::Relaxed) => {
+                    self.fetch_moved.wait(&mut s)
+                }
+                _ => return false,
+            }
+        }
+    }
+
+    /// Feed the sealed bytes at `off` to the file's digest, or give the digest up when they
+    /// cannot be had (`ok` false) or come out of order; whether they were fed.
+    fn feed_digest(&self, ok: bool, off: u64, bytes: &[u8]) -> bool {
+        let mut digest = self.digest.lock();
+        let Some(feeder) = digest.as_mut() else {
+            return false;
+        };
+        let fed = ok && feeder.feed(off, bytes);
+        if !fed {
+            *digest = None;
+        }
+        fed
     }
 
     /// A fetcher: takes queued chunks and brings their sealed bytes into place, until the
@@ -970,26 +1039,40 @@ impl Inner {
         }
     }
 
-    /// The fetched bytes at `a` turned into view bytes in place, at the fill's priority.
-    /// While the file's hash runs on its own thread, a fill someone waits for unlocks on
-    /// one core fewer: no byte is served before the verdict, and the hash is one stream on
-    /// one thread, as much CPU per byte as the decode, so it is the longer of the two
-    /// whenever it has to share its core. A digest this thread feeds (a remote source's)
-    /// runs between the unlocks, not beside them: the unlock keeps every core. An unlock
-    /// that panics (a bug) fails its chunk alone.
-    fn unlock(&self, priority: Priority, a: u64, buf: &mut [u8]) -> Result<(), ReadError> {
-        let mut unlock = || {
-            std::panic::catch_unwind(AssertUnwindSafe(|| (self.source.unlock)(a, buf)))
-                .unwrap_or_else(|_| Err(ReadError::Io(io::Error::other("decode panicked"))))
-        };
-        let pool = match priority {
+    /// The pool that unlocks a chunk at the fill's priority. While the file's hash runs
+    /// beside the unlock (on its own thread, or a digest the dispatcher feeds meanwhile,
+    /// `hash_beside`), a fill someone waits for unlocks on one core fewer: no byte is
+    /// served before the verdict, and the hash is one stream on one thread, as much CPU
+    /// per byte as the decode, so it is the longer of the two whenever it has to share its
+    /// core. A digest fed between unlocks leaves the unlock every core.
+    fn unlock_pool(
+        &self,
+        priority: Priority,
+        hash_beside: bool,
+    ) -> Option<&'static rayon::ThreadPool> {
+        match priority {
             Priority::Ahead => ahead_pool(),
             Priority::Demand
-                if self.hashing.load(Ordering::Relaxed) && self.digest.lock().is_none() =>
+                if hash_beside
+                    || (self.hashing.load(Ordering::Relaxed) && self.digest.lock().is_none()) =>
             {
                 beside_hash_pool()
             }
             Priority::Demand => None,
+        }
+    }
+
+    /// The fetched bytes at `a` turned into view bytes in place, on `pool` (this thread if
+    /// none). An unlock that panics (a bug) fails its chunk alone.
+    fn unlock(
+        &self,
+        pool: Option<&rayon::ThreadPool>,
+        a: u64,
+        buf: &mut [u8],
+    ) -> Result<(), ReadError> {
+        let mut unlock = || {
+            std::panic::catch_unwind(AssertUnwindSafe(|| (self.source.unlock)(a, buf)))
+                .unwrap_or_else(|_| Err(ReadError::Io(io::Error::other("decode panicked"))))
         };
         match pool {
             Some(pool) => pool.install(unlock),
@@ -1823,10 +1906,11 @@ mod tests {
         assert_eq!(f.progress(), Progress::Broken);
     }
 
-    /// While the file's hash runs on its own thread, a fill someone waits for unlocks with
-    /// one thread fewer than the decode's pool (at least one), leaving the hash a core;
-    /// without a hash, or with a digest its dispatcher feeds between the unlocks (a remote
-    /// source's), with all of them.
+    /// While the file's hash runs beside the unlock (on its own thread, or a remote
+    /// source's digest, which the dispatcher feeds the next chunk meanwhile), a fill someone
+    /// waits for unlocks with one thread fewer than the decode's pool (at least one),
+    /// leaving the hash a core; without a hash, or for the last chunk of a fed digest (no
+    /// next chunk to hash beside it), with all of them.
     #[test]
     fn a_waited_for_fill_leaves_the_hash_a_core() {
         let all = rayon::current_num_threads();
@@ -1865,11 +1949,13 @@ mod tests {
             };
             let f = start(len, src, Priority::Demand);
             wait_until(30, "chunks unlocked", || threads.lock().len() >= 4);
+            let fewer = all.saturating_sub(1).max(1);
             let want = match case {
-                "hashed beside" => all.saturating_sub(1).max(1),
-                _ => all,
+                "hashed beside" => vec![fewer; 4],
+                "fed" => vec![fewer, fewer, fewer, all],
+                _ => vec![all; 4],
             };
-            assert_eq!(*threads.lock(), vec![want; 4], "{case}");
+            assert_eq!(*threads.lock(), want, "{case}");
             *release.0.lock() = true;
             release.1.notify_all();
             assert!(f.wait_complete(Duration::from_secs(30)).is_some(), "{case}");
@@ -2304,6 +2390,46 @@ mod tests {
         use std::os::unix::fs::FileExt;
         m.file().read_exact_at(&mut back, len - 4096).unwrap();
         expect(len - 4096, &back);
+    }
+
+    /// A remote file's digest takes each next chunk's sealed bytes while the chunk before
+    /// is unlocked, not between the unlocks: every unlock but the last sees the next chunk
+    /// hashed before it ends.
+    #[test]
+    fn the_digest_takes_the_next_chunk_beside_each_unlock() {
+        let n = 6;
+        let len = n * CHUNK;
+        let (mut src, _, _) = sealed_source(8, None);
+        let (feed, feeder) = crate::digest::DigestFeed::start(len);
+        src.digest = Some(feeder);
+        let (fed, seen) = (feed.clone(), Arc::new(Mutex::new(Vec::new())));
+        let saw = seen.clone();
+        let unlock = std::mem::replace(&mut src.unlock, Box::new(|_, _| Ok(())));
+        src.unlock = Box::new(move |off, buf: &mut [u8]| {
+            let i = off / CHUNK;
+            if i + 1 < n {
+                let want = (i + 2) * CHUNK;
+                let deadline = Instant::now() + Duration::from_secs(5);
+                while fed.fed() < want && Instant::now() < deadline {
+                    std::thread::sleep(Duration::from_millis(1));
+                }
+                saw.lock().push((i, fed.fed() >= want));
+            }
+            unlock(off, buf)
+        });
+        let f = start(len, src, Priority::Demand);
+        let m = f.wait_complete(Duration::from_secs(60)).expect("complete");
+        expect(0, &copy_bytes(&m));
+        let beside: Vec<(u64, bool)> = (0..n - 1).map(|i| (i, true)).collect();
+        assert_eq!(
+            *seen.lock(),
+            beside,
+            "(chunk, the next one hashed during its unlock)"
+        );
+        let mut sealed = vec![0u8; len as usize];
+        seal_into(0, &mut sealed);
+        use sha2::Digest;
+        assert_eq!(feed.wait(), Some(sha2::Sha256::digest(&sealed).into()));
     }
 
     #[test]
