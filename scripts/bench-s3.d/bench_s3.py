@@ -11,6 +11,9 @@ Systems (each reads the whole shard once, sequentially, 1 MiB at a time, cold):
   download-read   boto3 download_file of the plain shard to local disk, then read it
   kllm-fuse       kllm-mount s3://... --mode fuse, mount + read
   kllm-pt         kllm-mount s3://... --mode passthrough, mount + open (decode) + read
+  kllm-*-checked  the same two from a prefix that also holds kllm-manifest.json, so each
+                  file is checked against it before its first byte (--verify open, the
+                  default): what the check costs
   kllm-s3fs       kllm-mount over an s3fs-fuse mount of the sealed prefix (when s3fs works)
   rclone          rclone mount of the bucket, the plain shard read (when rclone works)
 For kllm-mount also: time to the first byte (from the mount command's start) and the
@@ -153,6 +156,19 @@ class Bench:
         self.key = os.path.join(gen, "kllm.key")
         self.plain = os.path.join(gen, "plain", "model.safetensors")
         self.size = os.path.getsize(self.plain)
+        # kLLM's catalog manifest of the sealed files (the key left out).
+        import hashlib
+        files = {}
+        sealed = os.path.join(gen, "sealed")
+        for name in sorted(os.listdir(sealed)):
+            h = hashlib.sha256()
+            with open(os.path.join(sealed, name), "rb") as f:
+                while chunk := f.read(8 * MiB):
+                    h.update(chunk)
+            files[name] = h.hexdigest()
+        self.manifest = os.path.join(self.work, "kllm-manifest.json")
+        with open(self.manifest, "w") as f:
+            json.dump({"format": "kllm-catalog", "version": 1, "files": files}, f, indent=1)
 
     def upload(self):
         """Objects go in through the S3 API, never by copying into the server's folder:
@@ -160,16 +176,19 @@ class Bench:
         back it hashes the whole object on every GET and HEAD (a 16 MiB ranged GET of a
         512 MiB object then costs an MD5 of 512 MiB, and the server runs at ~30 MiB/s)."""
         c = self.s3()
-        if os.path.isdir(os.path.join(self.data, BUCKET)):
-            return
-        c.create_bucket(Bucket=BUCKET)
-        for top in ("sealed", "plain"):
-            base = os.path.join(self.gen, top)
+        if not os.path.isdir(os.path.join(self.data, BUCKET)):
+            c.create_bucket(Bucket=BUCKET)
+        for top, base in (("sealed", "sealed"), ("plain", "plain"), ("checked", "sealed")):
+            if os.path.isdir(os.path.join(self.data, BUCKET, top)):
+                continue
+            base = os.path.join(self.gen, base)
             for d, _, files in os.walk(base):
                 for f in files:
                     path = os.path.join(d, f)
                     key = top + "/" + os.path.relpath(path, base)
                     c.upload_file(path, BUCKET, key)
+            if top == "checked":
+                c.upload_file(self.manifest, BUCKET, "checked/kllm-manifest.json")
         log("uploaded the sealed and plain checkpoints through the S3 API")
 
     def start_server(self):
@@ -268,7 +287,7 @@ class Bench:
         assert n == self.size
         return {"seconds": dt}
 
-    def kllm(self, mode, source):
+    def kllm(self, mode, source, checked=False):
         t0 = time.perf_counter()
         subprocess.run([KLLM, source, self.mnt, "--key", self.key, "--mode", mode,
                         "--cache-size", "0"], check=True, env=self.env)
@@ -277,6 +296,10 @@ class Bench:
         n, _, first = read_all(os.path.join(self.mnt, "model.safetensors"), first=t0)
         dt = time.perf_counter() - t0
         hwm = vm_hwm_kib(pid) if pid else None
+        if checked:
+            st = json.loads(subprocess.run([KLLM, "--status", self.mnt], check=True,
+                                           capture_output=True, text=True).stdout)
+            assert st["verified_files"] >= 1 and st["failed_files"] == 0, st
         unmount(self.mnt)
         assert n == self.size, (n, self.size)
         return {"seconds": dt, "mount_s": t_mount, "first_byte_s": first, "daemon_hwm_mib":
@@ -348,12 +371,15 @@ class Bench:
         self.start_server()
         self.upload()
         source = f"s3://{BUCKET}/sealed"
+        checked = f"s3://{BUCKET}/checked"
         systems = [
             ("ranged-gets", self.ranged_gets),
             ("wire", self.wire),
             ("download-read", self.download_read),
             ("kllm-fuse", lambda: self.kllm("fuse", source)),
             ("kllm-pt", lambda: self.kllm("passthrough", source)),
+            ("kllm-fuse-checked", lambda: self.kllm("fuse", checked, True)),
+            ("kllm-pt-checked", lambda: self.kllm("passthrough", checked, True)),
             ("kllm-s3fs", self.kllm_over_s3fs),
             ("rclone", self.rclone),
         ]
@@ -415,6 +441,12 @@ def report(results, size, a):
     for mode in ("kllm-fuse", "kllm-pt"):
         lines.append(f"- {mode}: {said(paired(mode, 'ranged-gets'), 0.8)} the server's limit, "
                      f"{said(paired(mode, 'download-read'), 1.3)} download-then-read")
+    for mode in ("kllm-fuse", "kllm-pt"):
+        c = paired(f"{mode}-checked", mode)
+        if c:
+            lines.append(f"- {mode}-checked (under a manifest): {c[0]:.2f}x ({c[1]:.2f}-{c[2]:.2f}) "
+                         f"{mode}'s MiB/s, {said(paired(mode + '-checked', 'ranged-gets'), 0.8)} "
+                         "the server's limit")
     w = paired("ranged-gets", "wire")
     if w:
         lines.append(f"- ranged-gets / wire: {w[0]:.2f}x ({w[1]:.2f}-{w[2]:.2f}): what keeping "
