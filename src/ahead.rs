@@ -22,7 +22,8 @@ use std::time::Duration;
 
 use parking_lot::Mutex;
 
-use crate::fill::{run_in_background, Fill};
+use crate::background::run_in_background;
+use crate::fill::Fill;
 use crate::view::{Content, Ino, View};
 
 /// The index engines read to find the shards of a sharded checkpoint.

@@ -172,11 +172,18 @@ pub fn sha256_file_counting(file: &File, on_bytes: &(dyn Fn(u64) + Sync)) -> io:
     let (empty_tx, empty_rx) = mpsc::sync_channel::<Vec<u8>>(2);
     empty_tx.send(vec![0u8; READ_CHUNK]).expect("fresh channel");
     // `move`: the channel ends live in the scope, so the reader sees a hang-up when it ends.
+    // SAFETY: gettid has no preconditions.
+    let hasher_tid = unsafe { libc::gettid() };
     std::thread::scope(move |scope| {
-        scope.spawn(move || {
+        // Named after its hasher, whose place (background or urged) it takes before each
+        // read: it inherits the hasher's policy when started, but only the hasher is urged
+        // (`crate::background::follow`).
+        let reader = std::thread::Builder::new().name(format!("kllm-rd{hasher_tid}"));
+        let started = reader.spawn_scoped(scope, move || {
             let mut offset = n as u64;
             // Ends when the hasher hangs up (error or done) or at the end of the file.
             while let Ok(mut buf) = empty_rx.recv() {
+                crate::background::follow(hasher_tid);
                 let got = read_full_at(file, &mut buf, offset);
                 let last = !matches!(got, Ok(k) if k == READ_CHUNK);
                 if let Ok(k) = got {
@@ -187,6 +194,8 @@ pub fn sha256_file_counting(file: &File, on_bytes: &(dyn Fn(u64) + Sync)) -> io:
                 }
             }
         });
+        // Without its reader the loop below would end early with a wrong digest.
+        started?;
         hasher.update(&first);
         on_bytes(n as u64);
         let mut spare = Some(first);
@@ -214,6 +223,52 @@ pub fn sha256_file_counting(file: &File, on_bytes: &(dyn Fn(u64) + Sync)) -> io:
 mod tests {
     use super::*;
     use std::sync::atomic::{AtomicU64, Ordering};
+
+    /// The thread that reads a file for its hash takes the hasher's place before each read:
+    /// in the background while the hasher is, in the foreground once the hasher is urged.
+    #[test]
+    fn the_reader_takes_its_hashers_place() {
+        use crate::background::{policy_of, run_in_background, Background};
+        let mut file = tempfile::tempfile().unwrap();
+        let chunks = 8;
+        io::Write::write_all(&mut file, &vec![7u8; chunks * READ_CHUNK]).unwrap();
+        let hashing = std::thread::spawn(move || {
+            // SAFETY: gettid has no preconditions.
+            let me = unsafe { libc::gettid() };
+            run_in_background(me, true);
+            let seen = Mutex::new(Vec::new());
+            let reader = format!("kllm-rd{me}");
+            let on_bytes = |_| {
+                let mut seen = seen.lock();
+                let tasks = std::fs::read_dir("/proc/thread-self/..").unwrap();
+                let found = tasks.filter_map(|t| t.ok()).find(|t| {
+                    std::fs::read_to_string(t.path().join("comm"))
+                        .is_ok_and(|c| c.trim_end() == reader)
+                });
+                if let Some(t) = found {
+                    let tid: libc::pid_t = t.file_name().to_str().unwrap().parse().unwrap();
+                    seen.push((policy_of(me), policy_of(tid)));
+                    if seen.len() == 2 {
+                        run_in_background(me, false);
+                    }
+                }
+            };
+            sha256_file_counting(&file, &on_bytes).unwrap();
+            seen.into_inner()
+        });
+        let seen = hashing.join().unwrap();
+        assert!(seen.len() >= 5, "the reader was not seen: {seen:?}");
+        let background = match Background::chosen() {
+            Background::Idle => (libc::SCHED_IDLE, 0),
+            Background::Nice => (libc::SCHED_OTHER, 19),
+        };
+        assert_eq!(seen[0].1, background, "(hasher, reader): {seen:?}");
+        let (hasher, reader) = *seen.last().unwrap();
+        assert_eq!(reader, hasher, "urged: (hasher, reader): {seen:?}");
+        if Background::chosen() == Background::Idle {
+            assert_eq!(reader, (libc::SCHED_OTHER, 0), "{seen:?}");
+        }
+    }
 
     #[test]
     fn a_feed_gives_the_digest_of_bytes_fed_in_order() {

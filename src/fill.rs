@@ -32,6 +32,7 @@ use std::time::{Duration, Instant};
 
 use parking_lot::{Condvar, Mutex};
 
+use crate::background::run_in_background;
 use crate::memfs::{MemoryFile, MemoryFs, Reservation};
 use crate::view::{Ino, View};
 use crate::ReadError;
@@ -1489,79 +1490,6 @@ fn beside_hash_pool() -> Option<&'static rayon::ThreadPool> {
     .as_ref()
 }
 
-/// Put a thread in the background or back in the foreground. Background is `SCHED_IDLE`
-/// rather than nice 19: a nice 19 thread still takes a share of a busy core, and an engine
-/// importing beside decode ahead on two cores took 1.09x its time alone at nice 19, 1.04x
-/// under `SCHED_IDLE` (docs/PERFORMANCE.md, "Engines"). A failure costs speed, not
-/// correctness.
-pub(crate) fn run_in_background(tid: libc::pid_t, background: bool) {
-    if Background::chosen() == Background::Nice {
-        // SAFETY: setpriority on one thread id; on Linux PRIO_PROCESS with a thread id
-        // affects that thread alone.
-        unsafe {
-            libc::setpriority(
-                libc::PRIO_PROCESS,
-                tid as libc::id_t,
-                if background { 19 } else { 0 },
-            )
-        };
-        return;
-    }
-    let policy = if background {
-        libc::SCHED_IDLE
-    } else {
-        libc::SCHED_OTHER
-    };
-    let param = libc::sched_param { sched_priority: 0 };
-    // SAFETY: sched_setscheduler on one thread id with a valid parameter; on Linux a thread
-    // id names that thread alone.
-    unsafe { libc::sched_setscheduler(tid, policy, &param) };
-}
-
-/// How this process keeps work in the background.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-enum Background {
-    /// `SCHED_IDLE`, and back to `SCHED_OTHER` when urged.
-    Idle,
-    /// nice 19, where a thread may not leave `SCHED_IDLE` again (no `CAP_SYS_NICE` and an
-    /// `RLIMIT_NICE` below 20, as in a container given only `SYS_ADMIN`): an urged fill
-    /// then keeps a share of a busy core, where under `SCHED_IDLE` it would keep almost none.
-    Nice,
-}
-
-impl Background {
-    fn chosen() -> Background {
-        static CHOSEN: OnceLock<Background> = OnceLock::new();
-        *CHOSEN.get_or_init(|| {
-            if may_leave_sched_idle() {
-                Background::Idle
-            } else {
-                log::debug!("decode ahead at nice 19: threads may not leave SCHED_IDLE here");
-                Background::Nice
-            }
-        })
-    }
-}
-
-/// Whether a thread of this process can enter `SCHED_IDLE` and leave it again: tried on a
-/// thread of its own, which then ends.
-fn may_leave_sched_idle() -> bool {
-    let param = libc::sched_param { sched_priority: 0 };
-    let probe = move || {
-        // SAFETY: sched_setscheduler(0, ...) changes the calling (probe) thread alone.
-        unsafe {
-            libc::sched_setscheduler(0, libc::SCHED_IDLE, &param) == 0
-                && libc::sched_setscheduler(0, libc::SCHED_OTHER, &param) == 0
-        }
-    };
-    std::thread::Builder::new()
-        .name("kllm-sched-probe".into())
-        .spawn(probe)
-        .ok()
-        .and_then(|t| t.join().ok())
-        .unwrap_or(false)
-}
-
 fn spawn(name: &str, f: impl FnOnce() + Send + 'static) -> io::Result<()> {
     std::thread::Builder::new()
         .name(name.into())
@@ -2035,6 +1963,7 @@ mod tests {
                 libc::getpriority(libc::PRIO_PROCESS, tid as libc::id_t),
             )
         };
+        use crate::background::Background;
         let background = match Background::chosen() {
             Background::Idle => (libc::SCHED_IDLE, 0),
             Background::Nice => (libc::SCHED_OTHER, 19),

@@ -1,4 +1,5 @@
 pub mod ahead;
+pub mod background;
 pub mod blob;
 pub mod budget;
 pub mod digest;

@@ -549,9 +549,16 @@ impl Remote {
         if let Some(l) = &*live {
             return Ok(l.clone());
         }
+        // Its threads serve every GET, for whoever made the runtime: often a thread of
+        // work ahead (decode or check ahead, under `SCHED_IDLE`), whose policy they would
+        // inherit for good, leaving an urged fill's GETs to idle cycles.
         let runtime = tokio::runtime::Builder::new_multi_thread()
             .worker_threads(4)
             .thread_name("kllm-remote")
+            .on_thread_start(|| {
+                // SAFETY: gettid has no preconditions.
+                crate::background::run_in_background(unsafe { libc::gettid() }, false)
+            })
             .enable_all()
             .build()
             .map_err(|e| {
@@ -1374,6 +1381,40 @@ mod tests {
             .unwrap();
         let obj = remote.object(meta, "mem://obj".into());
         (remote, obj)
+    }
+
+    /// The runtime's threads serve in the foreground even when a thread in the background
+    /// (decode or check ahead, the first to read after the daemon's fork) makes them.
+    #[test]
+    fn the_runtime_runs_in_the_foreground_whoever_starts_it() {
+        use crate::background::{policy_of, run_in_background, Background};
+        let made_by = std::thread::spawn(move || {
+            // SAFETY: gettid has no preconditions.
+            let me = unsafe { libc::gettid() };
+            run_in_background(me, true);
+            let remote = remote_over(&Arc::new(InMemory::new()), &settings(1000));
+            let live = remote.live().unwrap();
+            let served = live.runtime.block_on(async {
+                // SAFETY: gettid has no preconditions.
+                let worker = tokio::spawn(async { policy_of(unsafe { libc::gettid() }) });
+                worker.await.unwrap()
+            });
+            (policy_of(me), served)
+        });
+        let (maker, served) = made_by.join().unwrap();
+        assert_ne!(
+            maker,
+            (libc::SCHED_OTHER, 0),
+            "the maker runs in the background"
+        );
+        // Without leave to come back from nice 19 (`Background::Nice`) no thread can.
+        if Background::chosen() == Background::Idle {
+            assert_eq!(
+                served,
+                (libc::SCHED_OTHER, 0),
+                "a GET's thread: (policy, nice)"
+            );
+        }
     }
 
     #[test]
