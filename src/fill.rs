@@ -155,9 +155,9 @@ pub struct Input {
     /// place, ahead of the unlock (a remote source: many GETs in flight). 1: the next chunk
     /// is fetched beside the unlock of the current one.
     pub fetch_ahead: usize,
-    /// With `fetch_ahead` > 1: fed each chunk's fetched (sealed) bytes in file order, so the
-    /// file's check need not read them again. Given up if chunks come out of order (they do
-    /// not before the verdict: no reader moves the decoder until then) or one fails.
+    /// Fed each chunk's fetched (sealed) bytes in file order, so the file's check need not
+    /// read them again. Given up if chunks come out of order (they do not before the
+    /// verdict: no reader moves the decoder until then) or one fails.
     pub digest: Option<crate::digest::DigestFeeder>,
     /// Called once the copy is complete (every chunk in, the verdict good), before it is
     /// handed out: nothing reads the sealed bytes any more.
@@ -255,7 +255,8 @@ struct Inner {
     fetch_moved: Condvar,
     started: Instant,
     label: String,
-    /// The file's hash is running on its own thread (see [`Inner::unlock`]).
+    /// The file's verdict is not in: its check runs on a thread of its own, waiting for the
+    /// digest this fill feeds or reading the file itself (see [`Inner::unlock_pool`]).
     hashing: AtomicBool,
     /// Last, so dropped last (fields drop in order): the budget comes back only once the
     /// mapping and the file above have let the tmpfs's pages go, or a fill that takes it
@@ -432,7 +433,8 @@ impl Fill {
             _ => None,
         };
         // The page cache's copy of the sealed bytes goes once they are in the copy and the
-        // file's hash (which reads them beside the fill) is done with them.
+        // file's hash is done with them (at once when this fill feeds the digest; else the
+        // check reads them beside the fill).
         let check: Option<Arc<CheckFn>> = node.integrity.as_ref().map(|_| {
             let reader = local.clone();
             Arc::new(move || {
@@ -448,21 +450,21 @@ impl Fill {
             (None, Some(o)) => o.parallel_reads().max(1),
             _ => 1,
         };
-        // Such a source's bytes are hashed as they come in; a local file is hashed by its
-        // own reads, beside the fill.
-        let digest = match fetch_ahead {
-            1 => None,
-            _ => view.digest_feeder(ino),
-        };
+        // The sealed bytes are hashed as the fill brings them in, each chunk's beside the
+        // unlock of the chunk before: read once, for the copy and the check alike.
+        let digest = view.digest_feeder(ino);
         let completed: Option<Box<dyn Fn() + Send + Sync>> = local.clone().map(|r| {
             let len = node.attr.size;
             Box::new(move || r.drop_cached(0, len, true)) as Box<dyn Fn() + Send + Sync>
         });
         let h = view.clone();
+        // Pages of the sealed file are kept for a check that reads the file itself, not for
+        // the digest this fill feeds.
+        let fed = digest.is_some();
         let fetch = move |off: u64, buf: &mut [u8]| match (&local, &object) {
             (Some(r), _) => {
                 r.read(off, buf)?;
-                r.let_go(off, buf.len() as u64, || !h.awaits_verdict(ino));
+                r.let_go(off, buf.len() as u64, || fed || !h.awaits_verdict(ino));
                 Ok(())
             }
             (None, Some(o)) => o.read_once_at(buf, off).map_err(io::Error::from),
@@ -770,6 +772,8 @@ impl Inner {
     fn decode_in_turn(self: &Arc<Self>, failures: &mut usize) -> bool {
         let mut allocated = 0;
         let mut fetched = vec![false; self.state.lock().chunks.len()];
+        // The chunk whose sealed bytes the digest took beside the unlock before.
+        let mut hashed_ahead = None;
         loop {
             let (i, next, then, priority) = {
                 let mut s = self.state.lock();
@@ -797,37 +801,65 @@ impl Inner {
                     .map_err(ReadError::Io);
             }
             fetched[i] = false;
+            if hashed_ahead != Some(i) {
+                // SAFETY: as above; read before the unlock turns the bytes into view bytes.
+                self.feed_digest(result.is_ok(), a, unsafe { self.chunk_mut(i) });
+            }
+            hashed_ahead = None;
             if result.is_ok() {
                 // The next chunk is Pending and only this thread writes chunks: its memory
                 // is free to allocate and its bytes to fetch while chunk `i` is unlocked.
-                let next = next.filter(|&j| !fetched[j]);
+                // With a digest to feed, the next chunk is hashed then, while the chunk
+                // after it is fetched on a thread of its own: fetch, hash and unlock of
+                // three chunks at once, where the hash, one stream on one core, is as long
+                // as the unlock.
+                let hashing = self.digest.lock().is_some();
+                let hash_next = next.filter(|_| hashing);
                 let then = then.filter(|&k| {
                     let (e, f) = self.range(k);
-                    next.is_some() && (self.source.fetch_is_dma)(e, f - e)
+                    next.is_some()
+                        && !fetched[k]
+                        && (hashing || (self.source.fetch_is_dma)(e, f - e))
                 });
+                let next = next.filter(|&j| !fetched[j]);
                 // SAFETY: as above; `i` and `next` are different chunks.
                 let buf = unsafe { self.chunk_mut(i) };
                 result = std::thread::scope(|scope| {
-                    let pool = self.unlock_pool(priority, false);
+                    let pool = self.unlock_pool(priority, hash_next.is_some());
                     let unlocking = scope.spawn(move || self.unlock(pool, a, buf));
-                    if let Some(k) = then {
+                    let then = then.filter(|&k| {
+                        self.allocate(&mut allocated, self.range(k).1, priority)
+                            .is_ok()
+                    });
+                    if let Some(k) = then.filter(|_| !hashing) {
                         // Chunk `k` is Pending: nothing reads or writes it until this
                         // thread takes it, and faulting pages in leaves their bytes as they
                         // are.
-                        if self
-                            .allocate(&mut allocated, self.range(k).1, priority)
-                            .is_ok()
-                        {
-                            // SAFETY: see above; `k` differs from `i` and `next`.
-                            let mem = unsafe { self.chunk_mut(k) };
-                            scope.spawn(move || crate::memfs::fault_in(mem));
-                        }
+                        // SAFETY: see above; `k` differs from `i` and `next`.
+                        let mem = unsafe { self.chunk_mut(k) };
+                        scope.spawn(move || crate::memfs::fault_in(mem));
                     }
                     if let Some(j) = next {
                         let (c, d) = self.range(j);
                         fetched[j] = self.allocate(&mut allocated, d, priority).is_ok()
                             // SAFETY: see above; the chunk's memory is allocated.
                             && self.fetch_chunk(c, unsafe { self.chunk_mut(j) }).is_ok();
+                    }
+                    let fetching = then.filter(|_| hashing).map(|k| {
+                        let at = self.range(k).0;
+                        // SAFETY: see above; `k` differs from `i` and the next chunk, and
+                        // its memory is allocated.
+                        let mem = unsafe { self.chunk_mut(k) };
+                        (k, scope.spawn(move || self.fetch_chunk(at, mem).is_ok()))
+                    });
+                    if let Some(j) = hash_next.filter(|&j| fetched[j]) {
+                        // SAFETY: see above; hashing only reads the fetched bytes.
+                        if self.feed_digest(true, self.range(j).0, unsafe { self.chunk_mut(j) }) {
+                            hashed_ahead = Some(j);
+                        }
+                    }
+                    if let Some((k, f)) = fetching {
+                        fetched[k] = f.join().unwrap_or(false);
                     }
                     unlocking
                         .join()
@@ -2321,44 +2353,48 @@ mod tests {
         expect(len - 4096, &back);
     }
 
-    /// A remote file's digest takes each next chunk's sealed bytes while the chunk before
-    /// is unlocked, not between the unlocks: every unlock but the last sees the next chunk
-    /// hashed before it ends.
+    /// A fill's digest takes each next chunk's sealed bytes while the chunk before is
+    /// unlocked, not between the unlocks, whether its chunks are fetched one after another
+    /// (a local file) or many at once (a remote one): every unlock but the last sees the
+    /// next chunk hashed before it ends.
     #[test]
     fn the_digest_takes_the_next_chunk_beside_each_unlock() {
+        use sha2::Digest;
         let n = 6;
         let len = n * CHUNK;
-        let (mut src, _, _) = sealed_source(8, None);
-        let (feed, feeder) = crate::digest::DigestFeed::start(len);
-        src.digest = Some(feeder);
-        let (fed, seen) = (feed.clone(), Arc::new(Mutex::new(Vec::new())));
-        let saw = seen.clone();
-        let unlock = std::mem::replace(&mut src.unlock, Box::new(|_, _| Ok(())));
-        src.unlock = Box::new(move |off, buf: &mut [u8]| {
-            let i = off / CHUNK;
-            if i + 1 < n {
-                let want = (i + 2) * CHUNK;
-                let deadline = Instant::now() + Duration::from_secs(5);
-                while fed.fed() < want && Instant::now() < deadline {
-                    std::thread::sleep(Duration::from_millis(1));
-                }
-                saw.lock().push((i, fed.fed() >= want));
-            }
-            unlock(off, buf)
-        });
-        let f = start(len, src, Priority::Demand);
-        let m = f.wait_complete(Duration::from_secs(60)).expect("complete");
-        expect(0, &copy_bytes(&m));
-        let beside: Vec<(u64, bool)> = (0..n - 1).map(|i| (i, true)).collect();
-        assert_eq!(
-            *seen.lock(),
-            beside,
-            "(chunk, the next one hashed during its unlock)"
-        );
         let mut sealed = vec![0u8; len as usize];
         seal_into(0, &mut sealed);
-        use sha2::Digest;
-        assert_eq!(feed.wait(), Some(sha2::Sha256::digest(&sealed).into()));
+        let want: [u8; 32] = sha2::Sha256::digest(&sealed).into();
+        for fetch_ahead in [1, 8] {
+            let (mut src, _, _) = sealed_source(fetch_ahead, None);
+            let (feed, feeder) = crate::digest::DigestFeed::start(len);
+            src.digest = Some(feeder);
+            let (fed, seen) = (feed.clone(), Arc::new(Mutex::new(Vec::new())));
+            let saw = seen.clone();
+            let unlock = std::mem::replace(&mut src.unlock, Box::new(|_, _| Ok(())));
+            src.unlock = Box::new(move |off, buf: &mut [u8]| {
+                let i = off / CHUNK;
+                if i + 1 < n {
+                    let next_in = (i + 2) * CHUNK;
+                    let deadline = Instant::now() + Duration::from_secs(5);
+                    while fed.fed() < next_in && Instant::now() < deadline {
+                        std::thread::sleep(Duration::from_millis(1));
+                    }
+                    saw.lock().push((i, fed.fed() >= next_in));
+                }
+                unlock(off, buf)
+            });
+            let f = start(len, src, Priority::Demand);
+            let m = f.wait_complete(Duration::from_secs(60)).expect("complete");
+            expect(0, &copy_bytes(&m));
+            let beside: Vec<(u64, bool)> = (0..n - 1).map(|i| (i, true)).collect();
+            assert_eq!(
+                *seen.lock(),
+                beside,
+                "fetch_ahead {fetch_ahead}: (chunk, the next one hashed during its unlock)"
+            );
+            assert_eq!(feed.wait(), Some(want), "fetch_ahead {fetch_ahead}");
+        }
     }
 
     #[test]
