@@ -450,9 +450,15 @@ impl Fill {
             (None, Some(o)) => o.parallel_reads().max(1),
             _ => 1,
         };
-        // The sealed bytes are hashed as the fill brings them in, each chunk's beside the
-        // unlock of the chunk before: read once, for the copy and the check alike.
-        let digest = view.digest_feeder(ino);
+        // Sealed bytes from the disk or a remote source are hashed as the fill brings them
+        // in, each chunk's beside the unlock of the chunk before: read once, for the copy
+        // and the check alike. Bytes in the page cache are hashed by the check's own reads
+        // instead, on a core of its own: its verdict then comes when the hash ends, not
+        // with the fill's last chunk, so readers need not wait for the whole copy.
+        let digest = match &local {
+            Some(r) if r.mostly_cached(0, node.attr.size) => None,
+            _ => view.digest_feeder(ino),
+        };
         let completed: Option<Box<dyn Fn() + Send + Sync>> = local.clone().map(|r| {
             let len = node.attr.size;
             Box::new(move || r.drop_cached(0, len, true)) as Box<dyn Fn() + Send + Sync>

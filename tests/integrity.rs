@@ -292,6 +292,35 @@ fn missing_extra_and_pinned_manifests() {
     assert_eq!(out.status.code(), Some(1), "{}", stderr_of(&out));
 }
 
+/// A shard not in the page cache is checked by the fill that reads it from the disk (the
+/// digest fed chunk by chunk), as one in the page cache is by the check's own reads: served
+/// untouched, refused altered.
+#[test]
+fn a_shard_read_from_the_disk_is_checked_as_it_is_read() {
+    let s = fixture();
+    for altered in [false, true] {
+        if altered {
+            flip(&s.sealed(), SHARD, -7);
+        }
+        let f = File::open(s.sealed().join(SHARD)).unwrap();
+        f.sync_all().unwrap();
+        drop_page_cache(&f);
+        let m = Mnt::new();
+        s.mount(&m, &["--mode", "passthrough"]);
+        let label = if altered { "altered" } else { "untouched" };
+        if altered {
+            assert_reads_fail(&m, SHARD, label);
+        } else {
+            assert!(
+                fs::read(m.path(SHARD)).unwrap() == s.bytes(SHARD),
+                "{label}"
+            );
+        }
+        let st = status(&m);
+        assert_eq!(st["failed_files"], altered as u64, "{label}: {st}");
+    }
+}
+
 #[test]
 fn a_verified_file_rewritten_later_fails() {
     let s = fixture();
