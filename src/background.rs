@@ -38,13 +38,7 @@ pub fn run_in_background(tid: libc::pid_t, background: bool) {
 /// thread that started it is moved when it is urged. Cheap enough to ask before each
 /// piece of work.
 pub fn follow(leader: libc::pid_t) {
-    // SAFETY: sched_getscheduler and getpriority read one thread's policy and nice value.
-    let (policy, nice) = unsafe {
-        (
-            libc::sched_getscheduler(leader),
-            libc::getpriority(libc::PRIO_PROCESS, leader as libc::id_t),
-        )
-    };
+    let (policy, nice) = place_of(leader);
     let background = match Background::chosen() {
         Background::Idle if policy >= 0 => policy == libc::SCHED_IDLE,
         Background::Nice => nice >= 19,
@@ -100,15 +94,24 @@ fn may_leave_sched_idle() -> bool {
         .unwrap_or(false)
 }
 
-/// Thread `tid`'s place: its policy and nice value.
-#[cfg(test)]
-pub(crate) fn policy_of(tid: libc::pid_t) -> (i32, i32) {
+/// Thread `tid`'s place: its scheduling policy (negative if the thread is gone) and nice
+/// value.
+pub fn place_of(tid: libc::pid_t) -> (i32, i32) {
     // SAFETY: sched_getscheduler and getpriority read one thread's policy and nice value.
     unsafe {
         (
             libc::sched_getscheduler(tid),
             libc::getpriority(libc::PRIO_PROCESS, tid as libc::id_t),
         )
+    }
+}
+
+/// The place ([`place_of`]) of a thread this process keeps in the background.
+#[cfg(test)]
+pub(crate) fn background_place() -> (i32, i32) {
+    match Background::chosen() {
+        Background::Idle => (libc::SCHED_IDLE, 0),
+        Background::Nice => (libc::SCHED_OTHER, 19),
     }
 }
 
@@ -134,17 +137,14 @@ mod tests {
             for background in [true, false] {
                 run_in_background(leader_tid, background);
                 follow(leader_tid);
-                seen.push((policy_of(leader_tid), policy_of(me)));
+                seen.push((place_of(leader_tid), place_of(me)));
             }
             seen
         });
         let seen = follower.join().unwrap();
         drop(to_leader);
         leader.join().unwrap();
-        let background = match Background::chosen() {
-            Background::Idle => (libc::SCHED_IDLE, 0),
-            Background::Nice => (libc::SCHED_OTHER, 19),
-        };
+        let background = background_place();
         assert_eq!(seen[0], (background, background), "(leader, follower)");
         assert_eq!(seen[1].0, seen[1].1, "urged: (leader, follower)");
         if Background::chosen() == Background::Idle {

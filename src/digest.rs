@@ -228,7 +228,7 @@ mod tests {
     /// in the background while the hasher is, in the foreground once the hasher is urged.
     #[test]
     fn the_reader_takes_its_hashers_place() {
-        use crate::background::{policy_of, run_in_background, Background};
+        use crate::background::{background_place, place_of, run_in_background, Background};
         let mut file = tempfile::tempfile().unwrap();
         let chunks = 8;
         io::Write::write_all(&mut file, &vec![7u8; chunks * READ_CHUNK]).unwrap();
@@ -247,7 +247,7 @@ mod tests {
                 });
                 if let Some(t) = found {
                     let tid: libc::pid_t = t.file_name().to_str().unwrap().parse().unwrap();
-                    seen.push((policy_of(me), policy_of(tid)));
+                    seen.push((place_of(me), place_of(tid)));
                     if seen.len() == 2 {
                         run_in_background(me, false);
                     }
@@ -258,11 +258,7 @@ mod tests {
         });
         let seen = hashing.join().unwrap();
         assert!(seen.len() >= 5, "the reader was not seen: {seen:?}");
-        let background = match Background::chosen() {
-            Background::Idle => (libc::SCHED_IDLE, 0),
-            Background::Nice => (libc::SCHED_OTHER, 19),
-        };
-        assert_eq!(seen[0].1, background, "(hasher, reader): {seen:?}");
+        assert_eq!(seen[0].1, background_place(), "(hasher, reader): {seen:?}");
         let (hasher, reader) = *seen.last().unwrap();
         assert_eq!(reader, hasher, "urged: (hasher, reader): {seen:?}");
         if Background::chosen() == Background::Idle {

@@ -1994,18 +1994,8 @@ mod tests {
     /// foreground.
     #[test]
     fn ahead_work_runs_in_the_background_until_urged() {
-        // SAFETY: sched_getscheduler and getpriority read one thread's policy and nice value.
-        let sched = |tid: libc::pid_t| unsafe {
-            (
-                libc::sched_getscheduler(tid),
-                libc::getpriority(libc::PRIO_PROCESS, tid as libc::id_t),
-            )
-        };
-        use crate::background::Background;
-        let background = match Background::chosen() {
-            Background::Idle => (libc::SCHED_IDLE, 0),
-            Background::Nice => (libc::SCHED_OTHER, 19),
-        };
+        use crate::background::{background_place, place_of, Background};
+        let background = background_place();
         let foreground = (libc::SCHED_OTHER, 0);
         // Root (CI) may leave SCHED_IDLE.
         // SAFETY: geteuid has no preconditions.
@@ -2014,7 +2004,7 @@ mod tests {
         }
         let policies = |f: &Fill| -> Vec<(i32, i32)> {
             let tids = f.inner.state.lock().tids.clone();
-            tids.into_iter().map(sched).collect()
+            tids.into_iter().map(place_of).collect()
         };
         let slow = |off: u64, buf: &mut [u8]| {
             std::thread::sleep(Duration::from_millis(20));
@@ -2027,7 +2017,7 @@ mod tests {
         assert!(before.iter().all(|&p| p == background), "ahead: {before:?}");
         let pool = ahead_pool().expect("the decode-ahead pool");
         // SAFETY: gettid has no preconditions.
-        let in_pool = pool.install(|| sched(unsafe { libc::gettid() }));
+        let in_pool = pool.install(|| place_of(unsafe { libc::gettid() }));
         assert_eq!(in_pool, background);
         f.urge();
         if Background::chosen() == Background::Idle {

@@ -1387,7 +1387,7 @@ mod tests {
     /// (decode or check ahead, the first to read after the daemon's fork) makes them.
     #[test]
     fn the_runtime_runs_in_the_foreground_whoever_starts_it() {
-        use crate::background::{policy_of, run_in_background, Background};
+        use crate::background::{place_of, run_in_background, Background};
         let made_by = std::thread::spawn(move || {
             // SAFETY: gettid has no preconditions.
             let me = unsafe { libc::gettid() };
@@ -1396,10 +1396,10 @@ mod tests {
             let live = remote.live().unwrap();
             let served = live.runtime.block_on(async {
                 // SAFETY: gettid has no preconditions.
-                let worker = tokio::spawn(async { policy_of(unsafe { libc::gettid() }) });
+                let worker = tokio::spawn(async { place_of(unsafe { libc::gettid() }) });
                 worker.await.unwrap()
             });
-            (policy_of(me), served)
+            (place_of(me), served)
         });
         let (maker, served) = made_by.join().unwrap();
         assert_ne!(
