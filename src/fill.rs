@@ -867,9 +867,7 @@ impl Inner {
                     if let Some((k, f)) = fetching {
                         fetched[k] = f.join().unwrap_or(false);
                     }
-                    unlocking
-                        .join()
-                        .unwrap_or_else(|_| Err(ReadError::Io(io::Error::other("decode panicked"))))
+                    unlocking.join().unwrap_or_else(|_| Err(decode_panicked()))
                 });
             }
             self.chunk_ended(i, result, failures);
@@ -1001,9 +999,7 @@ impl Inner {
                                 hashed_ahead = Some(j);
                             }
                         }
-                        unlocking.join().unwrap_or_else(|_| {
-                            Err(ReadError::Io(io::Error::other("decode panicked")))
-                        })
+                        unlocking.join().unwrap_or_else(|_| Err(decode_panicked()))
                     }),
                 };
             }
@@ -1111,7 +1107,7 @@ impl Inner {
     ) -> Result<(), ReadError> {
         let mut unlock = || {
             std::panic::catch_unwind(AssertUnwindSafe(|| (self.source.unlock)(a, buf)))
-                .unwrap_or_else(|_| Err(ReadError::Io(io::Error::other("decode panicked"))))
+                .unwrap_or_else(|_| Err(decode_panicked()))
         };
         match pool {
             Some(pool) => pool.install(unlock),
@@ -1526,6 +1522,11 @@ fn beside_hash_pool() -> Option<&'static rayon::ThreadPool> {
             .ok()
     })
     .as_ref()
+}
+
+/// The error of an unlock that panicked (a bug): its chunk fails alone.
+fn decode_panicked() -> ReadError {
+    ReadError::Io(io::Error::other("decode panicked"))
 }
 
 fn spawn(name: &str, f: impl FnOnce() + Send + 'static) -> io::Result<()> {
