@@ -33,6 +33,10 @@ import tempfile
 import threading
 import time
 
+# The main benchmark's helpers: kLLM's catalog manifest is written in one place.
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "bench.d"))
+from host import catalog_manifest  # noqa: E402
+
 MiB = 1 << 20
 READ = 1 << 20
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -156,19 +160,10 @@ class Bench:
         self.key = os.path.join(gen, "kllm.key")
         self.plain = os.path.join(gen, "plain", "model.safetensors")
         self.size = os.path.getsize(self.plain)
-        # kLLM's catalog manifest of the sealed files (the key left out).
-        import hashlib
-        files = {}
-        sealed = os.path.join(gen, "sealed")
-        for name in sorted(os.listdir(sealed)):
-            h = hashlib.sha256()
-            with open(os.path.join(sealed, name), "rb") as f:
-                while chunk := f.read(8 * MiB):
-                    h.update(chunk)
-            files[name] = h.hexdigest()
+        # kLLM's catalog manifest of the sealed files (the key lives beside them).
         self.manifest = os.path.join(self.work, "kllm-manifest.json")
         with open(self.manifest, "w") as f:
-            json.dump({"format": "kllm-catalog", "version": 1, "files": files}, f, indent=1)
+            f.write(catalog_manifest(os.path.join(gen, "sealed")))
 
     def upload(self):
         """Objects go in through the S3 API, never by copying into the server's folder:

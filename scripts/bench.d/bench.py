@@ -42,9 +42,9 @@ import time
 import loadtime
 from engines import Engines
 from host import (GEN, KLLM, KLLM_MODES, KLLMS, METRICS, MiB, PASS, READY_REPS, RETRIES,
-                  ROOT, SYSTEMS, TARGET, TP_WORLD, WARM_PASSES, become_subreaper, drop_caches,
-                  foreign_drop_count, fs_type, kllm_status, log, process_cpu_seconds, busy_seconds, run,
-                  sha256_file, unmount, warm)
+                  ROOT, SYSTEMS, TARGET, TP_WORLD, WARM_PASSES, become_subreaper, catalog_manifest,
+                  drop_caches, foreign_drop_count, fs_type, kllm_status, log, process_cpu_seconds,
+                  busy_seconds, run, unmount, warm)
 from readers import read_conc, read_mmap, read_seq, safetensors_tensors, scatter, tensor_parallel_load
 from report import machine_info, report
 
@@ -198,14 +198,7 @@ class Bench:
             d["cipher_files"] = [os.path.join(r, f) for r, _, fs in os.walk(d["cipher"]) for f in fs]
             # a kLLM catalog manifest of the sealed directory, placed there only while the
             # integrity measurement runs
-            files = {}
-            for r_, _, fs in os.walk(d["sealed"]):
-                for f in fs:
-                    full = os.path.join(r_, f)
-                    files[os.path.relpath(full, d["sealed"])] = sha256_file(full)
-            d["manifest_text"] = json.dumps(
-                {"format": "kllm-catalog", "version": 1, "files": dict(sorted(files.items()))},
-                indent=2)
+            d["manifest_text"] = catalog_manifest(d["sealed"])
             fd = os.open(os.path.join(d["plain"], d["file"]), os.O_RDONLY)
             try:
                 d["tensor_bytes"] = sum(length for _, length, _ in safetensors_tensors(fd))

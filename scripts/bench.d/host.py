@@ -74,6 +74,18 @@ def sha256_file(path):
             h.update(chunk)
 
 
+def catalog_manifest(sealed):
+    """kLLM's catalog manifest (kllm-manifest.json) of the directory `sealed`: the SHA-256
+    of every file under it, by path."""
+    files = {}
+    for r, _, fs in os.walk(sealed):
+        for f in fs:
+            full = os.path.join(r, f)
+            files[os.path.relpath(full, sealed)] = sha256_file(full)
+    return json.dumps({"format": "kllm-catalog", "version": 1, "files": dict(sorted(files.items()))},
+                      indent=2)
+
+
 def warm(paths):
     for p in paths:
         with open(p, "rb", buffering=0) as f:
