@@ -1,5 +1,5 @@
 //! Whether other processes are reading the disk a sealed file is on, so that decode ahead,
-//! which nobody waits for, can keep out of their way (src/fill.rs, `BACKGROUND_PIECE`).
+//! which nobody waits for, can keep out of their way (`fill::BACKGROUND_PIECE`).
 //!
 //! The disk's own count of bytes read (`/sys/dev/block/MAJ:MIN/stat`) less what this process
 //! had read from storage in the same time (`read_bytes` of `/proc/self/io`, which counts
