@@ -5,7 +5,7 @@
 mod common;
 
 use std::fs::{self, File};
-use std::os::unix::fs::{FileExt, PermissionsExt};
+use std::os::unix::fs::{FileExt, MetadataExt, PermissionsExt};
 use std::os::unix::process::CommandExt;
 use std::path::Path;
 use std::process::{Command, Output};
@@ -294,6 +294,8 @@ struct Fd {
     target: String,
     flags: u32,
     fs_type: i64,
+    /// The file system's device, as `major:minor` in mountinfo.
+    dev: String,
 }
 
 fn fds_of(pid: i32) -> Vec<Fd> {
@@ -322,10 +324,12 @@ fn fds_of(pid: i32) -> Vec<Fd> {
                 0
             }
         };
+        let dev = fs::metadata(e.path()).map_or(0, |m| m.dev());
         out.push(Fd {
             target: target.to_string_lossy().into_owned(),
             flags,
             fs_type,
+            dev: format!("{}:{}", libc::major(dev), libc::minor(dev)),
         });
     }
     out
@@ -357,6 +361,7 @@ fn decoded_bytes_live_only_in_private_memory() {
     let log_path = fs::canonicalize(&log).unwrap();
     let mut memory_files = 0;
     let mut private_roots = 0;
+    let mut private_devs = std::collections::BTreeSet::new();
     for fd in fds_of(pid) {
         let writable = fd.flags & libc::O_ACCMODE as u32 != libc::O_RDONLY as u32;
         if fd.target.starts_with(sealed.to_str().unwrap()) {
@@ -368,6 +373,7 @@ fn decoded_bytes_live_only_in_private_memory() {
         } else if fd.fs_type == TMPFS_MAGIC && fd.target == "/" {
             // The private tmpfs itself, held by its root directory: no path leads to it.
             private_roots += 1;
+            private_devs.insert(fd.dev.clone());
         } else if fd.fs_type == TMPFS_MAGIC && !fd.target.starts_with("/dev") {
             // Decoded copies: nameless files on the daemon's own tmpfs, read-only.
             assert!(!writable, "decoded memory open for writing: {}", fd.target);
@@ -377,6 +383,7 @@ fn decoded_bytes_live_only_in_private_memory() {
                 fd.target
             );
             memory_files += 1;
+            private_devs.insert(fd.dev.clone());
         } else if writable {
             let allowed = fd.target == log_path.to_str().unwrap()
                 || fd.target == "/dev/fuse"
@@ -389,13 +396,17 @@ fn decoded_bytes_live_only_in_private_memory() {
     }
     assert_eq!(memory_files, 2, "one decoded copy per open shard");
     assert_eq!(private_roots, 1, "the private memory file system");
-    // No mount table the daemon or anyone else can see names its memory.
+    assert_eq!(private_devs.len(), 1, "one private tmpfs: {private_devs:?}");
+    // No mount table the daemon or anyone else can see names its memory: mountinfo's third
+    // field is the device of each mount.
     let mounts = fs::read_to_string(format!("/proc/{pid}/mountinfo")).unwrap();
+    let attached: Vec<&str> = mounts
+        .lines()
+        .filter(|l| private_devs.contains(l.split(' ').nth(2).unwrap_or("")))
+        .collect();
     assert!(
-        !mounts
-            .lines()
-            .any(|l| l.contains("huge=always") || l.contains("huge=within_size")),
-        "the private tmpfs is attached somewhere"
+        attached.is_empty(),
+        "the private tmpfs is attached: {attached:?}"
     );
     drop(held);
 }
