@@ -366,9 +366,15 @@ pub fn daemonize(settings: &Settings, served: Served) -> Result<()> {
         ))),
         0 => {
             drop(rd);
-            // SAFETY: detaching from the terminal and pointing stdio at /dev/null, in the child.
+            // SAFETY: leaving the caller's process group and pointing stdio at /dev/null, in
+            // the child.
             unsafe {
-                libc::setsid();
+                // A process group of its own, out of the terminal's foreground (no ^C, no
+                // hangup), but the caller's session: a new session would be a scheduling
+                // group of its own (autogroup), which gets an equal share of the CPU against
+                // the engine started from the same shell however far in the background work
+                // ahead runs (docs/DESIGN.md, "Decode ahead").
+                libc::setpgid(0, 0);
                 let null = libc::open(c"/dev/null".as_ptr(), libc::O_RDWR);
                 if null >= 0 {
                     libc::dup2(null, 0);

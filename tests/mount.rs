@@ -939,6 +939,29 @@ fn background_mode_returns_only_once_mounted() {
         assert!(m.path("config.json").exists() || m.path("kllm.json").exists());
         let pid = m.daemon();
         assert!(pid > 0);
+        // Out of its starter's process group, in its session (and so its scheduling group).
+        let stat = fs::read_to_string(format!("/proc/{pid}/stat")).unwrap();
+        let fields: Vec<&str> = stat
+            .rsplit_once(')')
+            .unwrap()
+            .1
+            .split_whitespace()
+            .collect();
+        let (pgrp, session): (i32, i32) = (fields[2].parse().unwrap(), fields[3].parse().unwrap());
+        assert_eq!(
+            pgrp, pid,
+            "{name}: the daemon leads a process group of its own"
+        );
+        // SAFETY: getsid(0) asks for this process's session.
+        assert_eq!(
+            session,
+            unsafe { libc::getsid(0) },
+            "{name}: the daemon left the session"
+        );
+        if let Ok(mine) = fs::read_to_string("/proc/self/autogroup") {
+            let its = fs::read_to_string(format!("/proc/{pid}/autogroup")).unwrap();
+            assert_eq!(its, mine, "{name}: the daemon's scheduling group");
+        }
     }
 }
 
