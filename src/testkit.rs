@@ -8,7 +8,7 @@
 //!   its daemon) or in the foreground ([`Mnt::start_foreground`]); [`run`] and [`stderr_of`]
 //!   for commands whose refusal is the point;
 //! - the mount table: [`mount_points`], [`is_mounted`], [`fusermount_u`];
-//! - processes: [`become_subreaper`], [`proc_state`], [`alive`], [`pids_with_arg`],
+//! - processes: [`become_subreaper`], [`proc_stat_fields`], [`proc_state`], [`alive`], [`pids_with_arg`],
 //!   [`wait_gone`], [`kill`], [`rss_kib`];
 //! - reading: [`pread`], [`read_direct`], [`open_direct`], [`drop_page_cache`], [`listing`],
 //!   and for failures [`errno_of`], [`cpath`]; [`copy_tree`] for writable copies of sealed
@@ -51,10 +51,18 @@ pub fn become_subreaper() {
     });
 }
 
+/// The fields of `/proc/PID/stat` after the command name (state, ppid, pgrp, session,
+/// ...), `None` when the process is gone.
+pub fn proc_stat_fields(pid: i32) -> Option<Vec<String>> {
+    let stat = fs::read_to_string(format!("/proc/{pid}/stat")).ok()?;
+    // The name is in parentheses and may hold spaces and ')': the fields follow the last.
+    let fields = stat.rsplit_once(')')?.1;
+    Some(fields.split_whitespace().map(str::to_string).collect())
+}
+
 /// The process state letter of `pid`, `None` when it is gone.
 pub fn proc_state(pid: i32) -> Option<char> {
-    let stat = fs::read_to_string(format!("/proc/{pid}/stat")).ok()?;
-    stat.rsplit_once(')')?.1.trim_start().chars().next()
+    proc_stat_fields(pid)?.first()?.chars().next()
 }
 
 /// Running, not a zombie.

@@ -940,13 +940,7 @@ fn background_mode_returns_only_once_mounted() {
         let pid = m.daemon();
         assert!(pid > 0);
         // Out of its starter's process group, in its session (and so its scheduling group).
-        let stat = fs::read_to_string(format!("/proc/{pid}/stat")).unwrap();
-        let fields: Vec<&str> = stat
-            .rsplit_once(')')
-            .unwrap()
-            .1
-            .split_whitespace()
-            .collect();
+        let fields = proc_stat_fields(pid).expect("the daemon's /proc/PID/stat");
         let (pgrp, session): (i32, i32) = (fields[2].parse().unwrap(), fields[3].parse().unwrap());
         assert_eq!(
             pgrp, pid,

@@ -498,12 +498,11 @@ fn dropping_the_fill_stops_it() {
     let f = start(100 * CHUNK, source(slow), Priority::Ahead);
     // A fill ahead runs on idle cycles, so on a busy machine its first decode may come
     // late: wait for it, then for the count to settle, rather than for set times.
-    let until = Instant::now() + Duration::from_secs(20);
-    while calls.load(Ordering::SeqCst) == 0 && Instant::now() < until {
-        std::thread::sleep(Duration::from_millis(5));
-    }
-    assert!(calls.load(Ordering::SeqCst) > 0, "the fill never began");
+    wait_until(20, "the fill's first decode", || {
+        calls.load(Ordering::SeqCst) > 0
+    });
     drop(f);
+    let until = Instant::now() + Duration::from_secs(20);
     let mut n = calls.load(Ordering::SeqCst);
     let mut still_since = Instant::now();
     while still_since.elapsed() < Duration::from_millis(300) && Instant::now() < until {
