@@ -923,6 +923,14 @@ impl RemoteObject {
             .map_err(|e| ReadError::Io(std::io::Error::other(format!("{}: {e}", self.shown))))
     }
 
+    /// What every read checks first: the object unchanged since the mount, the range within
+    /// it. The range's end, or `None` for an empty read.
+    fn begin_read(&self, off: u64, len: usize) -> std::result::Result<Option<u64>, ReadError> {
+        self.check_unchanged()?;
+        let end = self.end_of(off, len)?;
+        Ok((len > 0).then_some(end))
+    }
+
     /// The end of `len` bytes at `off`, if within the object.
     fn end_of(&self, off: u64, len: usize) -> std::result::Result<u64, ReadError> {
         off.checked_add(len as u64)
@@ -966,11 +974,9 @@ impl Object for RemoteObject {
     }
 
     fn read_exact_at(&self, buf: &mut [u8], off: u64) -> std::result::Result<(), ReadError> {
-        self.check_unchanged()?;
-        let end = self.end_of(off, buf.len())?;
-        if buf.is_empty() {
+        let Some(end) = self.begin_read(off, buf.len())? else {
             return Ok(());
-        }
+        };
         let t = &self.remote.tuning;
         let p = t.part_size;
         let first = off / p;
@@ -1027,11 +1033,9 @@ impl Object for RemoteObject {
     /// once. A part cut by the range's ends, or one already kept or in flight, comes through
     /// the kept parts (nothing read ahead either).
     fn read_once_at(&self, buf: &mut [u8], off: u64) -> std::result::Result<(), ReadError> {
-        self.check_unchanged()?;
-        let end = self.end_of(off, buf.len())?;
-        if buf.is_empty() {
+        let Some(end) = self.begin_read(off, buf.len())? else {
             return Ok(());
-        }
+        };
         let p = self.remote.tuning.part_size;
         let live = self.live()?;
         for idx in off / p..=(end - 1) / p {
@@ -1065,11 +1069,9 @@ impl Object for RemoteObject {
     /// the mount answers. The bytes of a part kept, in flight or in the node cache come
     /// from there; each run of the others by one GET.
     fn read_small_at(&self, buf: &mut [u8], off: u64) -> std::result::Result<(), ReadError> {
-        self.check_unchanged()?;
-        let end = self.end_of(off, buf.len())?;
-        if buf.is_empty() {
+        let Some(end) = self.begin_read(off, buf.len())? else {
             return Ok(());
-        }
+        };
         let p = self.remote.tuning.part_size;
         let live = self.live()?;
         let cache =
