@@ -298,6 +298,36 @@ pub fn prepare(args: &Args, budgets: &Budgets) -> Result<Served> {
     Ok(Served { view, mode })
 }
 
+/// A warning said before the daemon starts: to the log, and to the command's terminal when
+/// the daemon will log to syslog.
+fn warn_at_mount(args: &Args, w: &str) {
+    if !args.foreground && args.log_file.is_none() {
+        eprintln!("kllm-mount: warning: {w}");
+    }
+    log::warn!("{w}");
+}
+
+/// Through FUSE, a remote file under a manifest is hashed before its first byte (the hash
+/// reads it whole) and then downloaded again by its reads, unless a node cache keeps the
+/// first download: worth saying once at mount, with what avoids it.
+fn downloaded_twice(args: &Args, served: &Served) -> Option<String> {
+    let remote = !matches!(Location::parse(args.sealed()), Ok(Location::Local(_)));
+    if !remote || served.mode.passthrough().is_some() || args.cache_dir.is_some() {
+        return None;
+    }
+    let view = &served.view;
+    let checked = (view.file_paths().iter())
+        .filter(|(_, ino)| view.node(*ino).is_some_and(|n| n.integrity.is_some()))
+        .count();
+    (checked > 0).then(|| {
+        format!(
+            "served through FUSE, the {checked} files under the manifest are each downloaded \
+             twice (hashed before their first byte, then read); --cache-dir DIR keeps the \
+             first download (passthrough mode, as root, downloads each once)"
+        )
+    })
+}
+
 /// The view of a remote source, its key resolved (one shipped beside the sealed files
 /// included) and the credentials taken out of the environment.
 #[cfg(feature = "remote")]
@@ -458,13 +488,12 @@ pub fn main() {
     let limits = Limits::of_this_process();
     let budgets = args.budgets(&limits);
     if let Some(w) = budgets.warnings(args.memory_flags()) {
-        // The daemon logs to syslog: the command's terminal gets the warning too.
-        if !args.foreground && args.log_file.is_none() {
-            eprintln!("kllm-mount: warning: {w}");
-        }
-        log::warn!("{w}");
+        warn_at_mount(&args, &w);
     }
     let served = prepare(&args, &budgets).unwrap_or_else(|e| fail(&e));
+    if let Some(w) = downloaded_twice(&args, &served) {
+        warn_at_mount(&args, &w);
+    }
     let settings = args.settings(&budgets, limits);
     if args.foreground {
         // systemd Type=notify readiness (src/notify.rs).

@@ -265,6 +265,11 @@ impl Mnt {
     /// Run a background mount command (from [`Mnt::cmd`]): it must exit 0 with the mount in
     /// mountinfo the moment it returns and exactly one daemon serving it, whose pid this is.
     pub fn mount(&self, c: Command) -> i32 {
+        self.mount_reporting(c).0
+    }
+
+    /// [`Mnt::mount`], and what the command wrote to stderr (warnings given at mount).
+    pub fn mount_reporting(&self, c: Command) -> (i32, String) {
         let out = run(c);
         assert!(
             out.status.success(),
@@ -280,7 +285,7 @@ impl Mnt {
         );
         let pid = self.daemon();
         self.daemons.lock().unwrap().push(pid);
-        pid
+        (pid, stderr_of(&out))
     }
 
     /// [`Mnt::mount`] of `kllm-mount SEALED MP ARGS`, after `tweak` changed the command (the

@@ -318,6 +318,51 @@ fn every_fixture_over_http_with_a_manifest() {
     assert!(err.contains("kllm-manifest.json"), "{err}");
 }
 
+/// Through FUSE a file under a manifest is hashed whole before its first byte, then
+/// downloaded again by its reads: the mount says so, with what avoids it, and says nothing
+/// where a node cache keeps the first download, nothing is checked, or passthrough's fill
+/// hashes what it downloads.
+#[test]
+fn a_fuse_mount_under_a_manifest_says_each_file_is_downloaded_twice() {
+    let Some(server) = server_with_fixtures() else {
+        return;
+    };
+    let case = case("llm_v2");
+    let url = server.object_url(BUCKET, &format!("http/{}", case.name));
+    let said = |args: &[&str]| {
+        let m = Mnt::new();
+        let (key_args, env) = key_setup(&case);
+        let mut c = remote_cmd(&m, &url);
+        c.args(&key_args).args(args).envs(env);
+        m.mount_reporting(c).1
+    };
+    let err = said(&["--mode", "fuse"]);
+    assert!(
+        err.starts_with("kllm-mount: warning: ")
+            && err.contains("downloaded twice")
+            && err.contains("--cache-dir"),
+        "{err:?}"
+    );
+    let cache = tempfile::tempdir().unwrap();
+    let quiet = [
+        vec![
+            "--mode",
+            "fuse",
+            "--cache-dir",
+            cache.path().to_str().unwrap(),
+        ],
+        vec!["--mode", "fuse", "--verify", "off"],
+    ];
+    for args in &quiet {
+        let err = said(args);
+        assert!(!err.contains("downloaded twice"), "{args:?}: {err:?}");
+    }
+    if rustix::process::geteuid().is_root() {
+        let err = said(&["--mode", "passthrough"]);
+        assert!(!err.contains("downloaded twice"), "passthrough: {err:?}");
+    }
+}
+
 #[test]
 fn an_http_source_follows_redirects_to_where_the_bytes_are() {
     // A hub answers each file's URL with a redirect to its CDN, HEADs and ranged GETs alike.
