@@ -273,10 +273,18 @@ type PartFuture = Shared<BoxFuture<'static, std::result::Result<Bytes, Fail>>>;
 /// One part, fetched or in flight.
 struct Slot {
     fut: PartFuture,
+    /// When its fetch began.
+    began: Instant,
     /// Fetched ahead of its reader, and not read yet.
     unread: bool,
     /// Bytes of it handed to readers so far.
     consumed: u64,
+}
+
+/// A part a reader waits for: its fetch (its own, or one it joined), and when that began.
+struct Joined {
+    fut: PartFuture,
+    began: Instant,
 }
 
 /// The parts kept, over all objects of a source, least recently used first.
@@ -530,7 +538,7 @@ impl Remote {
     /// The part `idx` of `obj`: kept, in flight, or fetched now. A part read ahead
     /// (`ahead`) is not fetched when the parts read ahead and not yet read fill half the
     /// memory: the other half is for the parts readers wait for.
-    fn part(&self, live: &Live, obj: &RemoteObject, idx: u64, ahead: bool) -> Option<PartFuture> {
+    fn part(&self, live: &Live, obj: &RemoteObject, idx: u64, ahead: bool) -> Option<Joined> {
         let mut parts = self.parts.lock();
         let Parts {
             lru,
@@ -549,15 +557,20 @@ impl Remote {
                     slot.unread = false;
                     *unread -= 1;
                 }
-                return Some(slot.fut.clone());
+                return Some(Joined {
+                    fut: slot.fut.clone(),
+                    began: slot.began,
+                });
             }
         }
         if ahead && *unread >= *max_ahead {
             return None;
         }
         let fut = self.fetch(live, obj, idx);
+        let began = Instant::now();
         let slot = Slot {
             fut: fut.clone(),
+            began,
             unread: ahead,
             consumed: 0,
         };
@@ -565,7 +578,7 @@ impl Remote {
         if let Some((_, gone)) = lru.push((obj.id, idx), slot) {
             *unread -= gone.unread as usize;
         }
-        Some(fut)
+        Some(Joined { fut, began })
     }
 
     /// Readers took `n` more bytes of part `idx` of object `id`. A part read through is let
@@ -886,28 +899,44 @@ impl RemoteObject {
         idx: u64,
         dst: &mut [u8],
         lo: u64,
+        asked: Instant,
     ) -> std::result::Result<(), ReadError> {
-        let fut = self
+        let part = self
             .remote
             .part(live, self, idx, false)
             .expect("a part a reader waits for is always fetched");
-        self.copy_from(live, idx, fut, dst, lo)
+        self.copy_from(live, idx, part, dst, lo, asked)
     }
 
-    /// `dst.len()` bytes at `lo` from part `idx` once `fut` has it, counted as consumed.
+    /// `dst.len()` bytes at `lo` from part `idx` once `part` has it, counted as consumed. A
+    /// read asked at `asked` that joined a fetch begun before it, which then failed (its
+    /// tries spent while the source was down, say, and back by now), fetches the part once
+    /// itself before it fails: its own time to EIO stays one fetch's.
     fn copy_from(
         &self,
         live: &Live,
         idx: u64,
-        fut: PartFuture,
+        part: Joined,
         dst: &mut [u8],
         lo: u64,
+        asked: Instant,
     ) -> std::result::Result<(), ReadError> {
         let range = self.part_range(idx);
-        let bytes = live
-            .runtime
-            .block_on(fut)
-            .map_err(|f| self.fail(&f, &range))?;
+        let bytes = match live.runtime.block_on(part.fut) {
+            Err(Fail::Io(why)) if part.began < asked => {
+                log::warn!(
+                    "{}: bytes {}..{}: a fetch begun before this read failed ({why}); asking again",
+                    self.shown,
+                    range.start,
+                    range.end
+                );
+                let again = (self.remote.part(live, self, idx, false))
+                    .expect("a part a reader waits for is always fetched");
+                live.runtime.block_on(again.fut)
+            }
+            got => got,
+        }
+        .map_err(|f| self.fail(&f, &range))?;
         let at = (lo - range.start) as usize;
         dst.copy_from_slice(&bytes[at..at + dst.len()]);
         drop(bytes);
@@ -974,6 +1003,7 @@ impl Object for RemoteObject {
     }
 
     fn read_exact_at(&self, buf: &mut [u8], off: u64) -> std::result::Result<(), ReadError> {
+        let asked = Instant::now();
         let Some(end) = self.begin_read(off, buf.len())? else {
             return Ok(());
         };
@@ -993,10 +1023,10 @@ impl Object for RemoteObject {
         let mut waited = false;
         loop {
             while next <= last && (pending.len() as u64) < lookahead {
-                let fut = self.remote.part(&live, self, next, false);
+                let part = self.remote.part(&live, self, next, false);
                 pending.push_back((
                     next,
-                    fut.expect("a part a reader waits for is always fetched"),
+                    part.expect("a part a reader waits for is always fetched"),
                 ));
                 next += 1;
             }
@@ -1008,18 +1038,19 @@ impl Object for RemoteObject {
                     }
                 }
             }
-            let Some((idx, fut)) = pending.pop_front() else {
+            let Some((idx, part)) = pending.pop_front() else {
                 break;
             };
-            waited |= fut.peek().is_none();
+            waited |= part.fut.peek().is_none();
             let range = self.part_range(idx);
             let (lo, hi) = (off.max(range.start), end.min(range.end));
             self.copy_from(
                 &live,
                 idx,
-                fut,
+                part,
                 &mut buf[(lo - off) as usize..(hi - off) as usize],
                 lo,
+                asked,
             )?;
         }
         if waited {
@@ -1033,6 +1064,7 @@ impl Object for RemoteObject {
     /// once. A part cut by the range's ends, or one already kept or in flight, comes through
     /// the kept parts (nothing read ahead either).
     fn read_once_at(&self, buf: &mut [u8], off: u64) -> std::result::Result<(), ReadError> {
+        let asked = Instant::now();
         let Some(end) = self.begin_read(off, buf.len())? else {
             return Ok(());
         };
@@ -1043,7 +1075,7 @@ impl Object for RemoteObject {
             let (lo, hi) = (off.max(range.start), end.min(range.end));
             let dst = &mut buf[(lo - off) as usize..(hi - off) as usize];
             if lo != range.start || hi != range.end || self.remote.holds(self.id, idx) {
-                self.copy_from_part(&live, idx, dst, lo)?;
+                self.copy_from_part(&live, idx, dst, lo, asked)?;
                 continue;
             }
             let job = self.remote.job(&live, self, idx);
@@ -1069,6 +1101,7 @@ impl Object for RemoteObject {
     /// the mount answers. The bytes of a part kept, in flight or in the node cache come
     /// from there; each run of the others by one GET.
     fn read_small_at(&self, buf: &mut [u8], off: u64) -> std::result::Result<(), ReadError> {
+        let asked = Instant::now();
         let Some(end) = self.begin_read(off, buf.len())? else {
             return Ok(());
         };
@@ -1093,7 +1126,7 @@ impl Object for RemoteObject {
             let (lo, hi) = (off.max(part.start), end.min(part.end));
             let dst = (lo - off) as usize..(hi - off) as usize;
             let had = if self.remote.holds(self.id, idx) {
-                self.copy_from_part(&live, idx, &mut buf[dst], lo)?;
+                self.copy_from_part(&live, idx, &mut buf[dst], lo, asked)?;
                 true
             } else if let Some((cache, key)) = &cache {
                 let found = cache.get(key, idx, (part.end - part.start) as usize);
