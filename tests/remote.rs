@@ -98,11 +98,12 @@ fn remote_cmd(m: &Mnt, url: &str) -> Command {
     c
 }
 
-fn mount_remote(m: &Mnt, url: &str, case: &Case, args: &[&str]) {
+/// Mount `url` with the case's key and `args`; what the command wrote to stderr.
+fn mount_remote(m: &Mnt, url: &str, case: &Case, args: &[&str]) -> String {
     let (key_args, env) = key_setup(case);
     let mut c = remote_cmd(m, url);
     c.args(&key_args).args(args).envs(env);
-    m.mount(c);
+    m.mount_reporting(c).1
 }
 
 /// The whole view compared with the case's expected one, then random ranges through
@@ -329,13 +330,7 @@ fn a_fuse_mount_under_a_manifest_says_each_file_is_downloaded_twice() {
     };
     let case = case("llm_v2");
     let url = server.object_url(BUCKET, &format!("http/{}", case.name));
-    let said = |args: &[&str]| {
-        let m = Mnt::new();
-        let (key_args, env) = key_setup(&case);
-        let mut c = remote_cmd(&m, &url);
-        c.args(&key_args).args(args).envs(env);
-        m.mount_reporting(c).1
-    };
+    let said = |args: &[&str]| mount_remote(&Mnt::new(), &url, &case, args);
     let err = said(&["--mode", "fuse"]);
     assert!(
         err.starts_with("kllm-mount: warning: ")

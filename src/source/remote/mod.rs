@@ -566,8 +566,8 @@ impl Remote {
         if ahead && *unread >= *max_ahead {
             return None;
         }
-        let fut = self.fetch(live, obj, idx);
         let began = Instant::now();
+        let fut = self.fetch(live, obj, idx);
         let slot = Slot {
             fut: fut.clone(),
             began,
