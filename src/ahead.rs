@@ -14,9 +14,13 @@
 //! through FUSE): a file under a manifest is hashed whole before its first byte is served,
 //! so the files are hashed in the same order right after mounting, in the background, and
 //! an open finds the verdict in instead of waiting for a hash of the whole file.
+//!
+//! Fetch ahead ([`FetchAhead`]) is the same idea through FUSE with nothing to hash: a remote
+//! source's shards are fetched in that order, their first parts kept until read.
 
 use std::cmp::Ordering;
 use std::collections::HashSet;
+use std::sync::atomic::{AtomicBool, Ordering as AtomicOrdering};
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -24,6 +28,7 @@ use parking_lot::Mutex;
 
 use crate::background::run_in_background;
 use crate::fill::Fill;
+use crate::source::Object;
 use crate::view::{Content, Ino, View};
 
 /// The index engines read to find the shards of a sharded checkpoint.
@@ -279,6 +284,88 @@ impl CheckAhead {
     }
 }
 
+/// Fetch ahead: where shards are served through FUSE with nothing to hash first, a remote
+/// source's sealed bytes are what an open would wait for. Right after mounting, the shards'
+/// first parts are fetched in the order engines read them, one shard after another, into
+/// the parts a remote source keeps for reading ahead (half of `--source-memory`), until
+/// those are full or a shard is opened: from then on each reader's own prefetch window
+/// fetches, and the parts fetched ahead stay until read. The first fetches are one part,
+/// then two, then four at a time, so a reader that opens at once finds the first part
+/// come in alone, as fast as it can. A local source takes on nothing (its files are near),
+/// which ends the fetching at the first shard.
+pub struct FetchAhead {
+    opened: AtomicBool,
+}
+
+/// The widest step of fetch ahead, in bytes asked for at once (each step waits for its
+/// parts: four 8 MiB parts at once keep loopback and a LAN busy).
+const FETCH_STEP_MAX: u64 = 32 << 20;
+/// Its first step: one default part.
+const FETCH_STEP_FIRST: u64 = 8 << 20;
+
+impl FetchAhead {
+    /// Start fetching ahead on a thread of its own; `None` if there is no shard or the
+    /// thread could not start.
+    pub fn start(view: Arc<View>) -> Option<Arc<FetchAhead>> {
+        let shards = order(&view);
+        if shards.is_empty() {
+            return None;
+        }
+        let fetch = Arc::new(FetchAhead {
+            opened: AtomicBool::new(false),
+        });
+        let f = fetch.clone();
+        let run = move || {
+            let objects = shards
+                .into_iter()
+                .filter_map(|ino| view.sealed_object(ino).ok().flatten().cloned());
+            let total = fetch_in_order(objects, &f.opened);
+            log::debug!("fetch ahead: {total} bytes of sealed shards in memory");
+        };
+        match std::thread::Builder::new()
+            .name("kllm-fetch-ahead".into())
+            .spawn(run)
+        {
+            Ok(_) => Some(fetch),
+            Err(e) => {
+                log::warn!("no fetch ahead ({e}): shards are fetched on their first read");
+                None
+            }
+        }
+    }
+
+    /// A shard was opened: its reader's prefetch window fetches from now on, and the memory
+    /// for reading ahead is left to it.
+    pub fn opened(&self) {
+        self.opened.store(true, AtomicOrdering::Relaxed);
+    }
+}
+
+/// Fetch `objects` ahead one after another, from their starts, in growing steps, until
+/// one takes on less than asked (its source's memory for reading ahead is full, or it is
+/// near already) or `opened` is set; how many bytes were fetched.
+fn fetch_in_order(objects: impl Iterator<Item = Arc<dyn Object>>, opened: &AtomicBool) -> u64 {
+    let mut step = FETCH_STEP_FIRST;
+    let mut total = 0;
+    for object in objects {
+        let mut off = 0;
+        while off < object.len() {
+            if opened.load(AtomicOrdering::Relaxed) {
+                return total;
+            }
+            let want = step.min(object.len() - off);
+            let had = object.fetch_ahead(off, want);
+            total += had;
+            if had < want {
+                return total;
+            }
+            off += want;
+            step = (2 * step).min(FETCH_STEP_MAX);
+        }
+    }
+    total
+}
+
 /// The files check ahead hashes: those whose verdict is not in, shards first.
 fn check_order(view: &View) -> Vec<Ino> {
     let mut files = order(view);
@@ -319,6 +406,93 @@ mod tests {
             "the next file starts in the background"
         );
         assert!(!c.before_verdict(4), "a file done: its verdict is in");
+    }
+
+    /// An object that takes on what it is asked for while its budget lasts, noting each ask.
+    struct Budgeted {
+        len: u64,
+        budget: Arc<Mutex<u64>>,
+        asked: Arc<Mutex<Vec<(u64, u64, u64)>>>,
+        opens_after: Option<(usize, Arc<AtomicBool>)>,
+    }
+
+    impl Object for Budgeted {
+        fn len(&self) -> u64 {
+            self.len
+        }
+        fn read_exact_at(&self, _: &mut [u8], _: u64) -> Result<(), crate::ReadError> {
+            unreachable!("fetch ahead reads nothing")
+        }
+        fn fetch_ahead(&self, off: u64, len: u64) -> u64 {
+            let mut asked = self.asked.lock();
+            asked.push((self.len, off, len));
+            if let Some((n, opened)) = &self.opens_after {
+                if asked.len() == *n {
+                    opened.store(true, AtomicOrdering::Relaxed);
+                }
+            }
+            let mut budget = self.budget.lock();
+            let had = len.min(*budget);
+            *budget -= had;
+            had
+        }
+        fn check_unchanged(&self) -> Result<(), crate::ReadError> {
+            Ok(())
+        }
+        fn local_file(&self) -> Result<Option<&std::fs::File>, crate::ReadError> {
+            Ok(None)
+        }
+    }
+
+    /// Steps of 8, 16, then 32 MiB from each object's start, one object after another;
+    /// fetching ends where the memory runs out, or once a shard is opened.
+    #[test]
+    fn fetch_ahead_ramps_up_in_order_and_stops_when_full_or_opened() {
+        const M: u64 = 1 << 20;
+        let run = |budget: u64, opens_after: Option<usize>| {
+            let budget = Arc::new(Mutex::new(budget));
+            let asked = Arc::new(Mutex::new(Vec::new()));
+            let opened = Arc::new(AtomicBool::new(false));
+            let objects: Vec<Arc<dyn Object>> = [100 * M, 20 * M]
+                .into_iter()
+                .map(|len| {
+                    Arc::new(Budgeted {
+                        len,
+                        budget: budget.clone(),
+                        asked: asked.clone(),
+                        opens_after: opens_after.map(|n| (n, opened.clone())),
+                    }) as Arc<dyn Object>
+                })
+                .collect();
+            let total = fetch_in_order(objects.into_iter(), &opened);
+            let asked = asked.lock().clone();
+            (total, asked)
+        };
+        let (total, asked) = run(u64::MAX, None);
+        assert_eq!(total, 120 * M);
+        assert_eq!(
+            asked,
+            [
+                (100 * M, 0, 8 * M),
+                (100 * M, 8 * M, 16 * M),
+                (100 * M, 24 * M, 32 * M),
+                (100 * M, 56 * M, 32 * M),
+                (100 * M, 88 * M, 12 * M),
+                (20 * M, 0, 20 * M),
+            ]
+        );
+        let (total, asked) = run(30 * M, None);
+        assert_eq!(
+            (total, asked.len()),
+            (30 * M, 3),
+            "ends at the first short step"
+        );
+        let (total, asked) = run(u64::MAX, Some(2));
+        assert_eq!(
+            (total, asked.len()),
+            (24 * M, 2),
+            "ends once a shard is opened"
+        );
     }
 
     #[test]

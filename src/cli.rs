@@ -56,7 +56,8 @@ pub struct Args {
     /// Do not work ahead of the first opens: by default, right after mounting and at low
     /// priority, the daemon decodes the shards in the order engines load them (passthrough
     /// mode, within --passthrough-memory), or through FUSE hashes the files under a
-    /// manifest in that order, so their opens need not wait for the hash.
+    /// manifest in that order, so their opens need not wait for the hash, or else fetches
+    /// a remote source's shards in that order (within half of --source-memory).
     #[arg(long)]
     pub no_decode_ahead: bool,
     /// FUSE options, comma-separated (e.g. allow_other; never on by default). Every long option

@@ -995,3 +995,74 @@ fn a_mount_reads_only_the_headers_of_its_shards() {
         );
     }
 }
+
+#[test]
+fn fuse_mode_fetches_the_shards_ahead_of_their_first_open() {
+    // Through FUSE with nothing to hash first, a mount fetches its shards' parts right
+    // after mounting (within the memory kept for reading ahead), so an engine that opens
+    // them seconds later reads them without a GET. With --no-decode-ahead it does not.
+    let Some(server) = server_with_fixtures() else {
+        return;
+    };
+    let sample = Sample::new([9; 32], 128, 4, Some(kllm_mount::lock::Version::V2), |_| {});
+    server.put_tree(BUCKET, "early", &sample.sealed(), &[]);
+    let view = sample.view();
+    let shards: Vec<String> = view
+        .keys()
+        .filter(|rel| rel.ends_with(".safetensors"))
+        .cloned()
+        .collect();
+    let sealed: u64 = shards
+        .iter()
+        .map(|rel| fs::metadata(sample.sealed().join(rel)).unwrap().len())
+        .sum();
+    let part = 64u64 << 10;
+    assert!(sealed > 4 * part, "shards of several parts: {sealed} bytes");
+    // Room to read every part ahead: half of the source's memory.
+    let memory = format!("{}K", 4 * sealed.div_ceil(1024));
+
+    for ahead in [true, false] {
+        let m = Mnt::new();
+        let mut c = remote_cmd(&m, &format!("s3://{BUCKET}/early"));
+        c.args(["--endpoint-url", &server.endpoint()])
+            .args(["--key", sample.key_file().to_str().unwrap()])
+            .args(["--mode", "fuse", "--part-size", "64K"])
+            .args(["--source-memory", &memory]);
+        if !ahead {
+            c.arg("--no-decode-ahead");
+        }
+        m.mount(c);
+        let n = |name: &str| status(&m)[name].as_u64().unwrap();
+        if ahead {
+            // All fetched (and more: the mount's own reads), and no more coming.
+            let mut last = 0;
+            wait_for(20, "every shard fetched ahead", || {
+                let now = n("remote_bytes_fetched");
+                let settled = now >= sealed && now == last;
+                last = now;
+                settled
+            });
+        } else {
+            std::thread::sleep(Duration::from_millis(500));
+            assert!(
+                n("remote_bytes_fetched") < sealed / 2,
+                "--no-decode-ahead: {} bytes fetched before any open",
+                n("remote_bytes_fetched")
+            );
+        }
+        let gets = n("remote_gets");
+        for rel in &shards {
+            let got = fs::read(m.path(rel)).unwrap();
+            assert!(got == view[rel], "{rel}: not byte-exact (ahead: {ahead})");
+        }
+        let sent = n("remote_gets") - gets;
+        if ahead {
+            assert_eq!(sent, 0, "GETs sent for shards fetched ahead");
+        } else {
+            assert!(
+                sent > 0,
+                "--no-decode-ahead: the shards were read without a GET"
+            );
+        }
+    }
+}

@@ -9,7 +9,7 @@ use std::time::{Duration, Instant};
 use parking_lot::Mutex;
 
 use super::{Backing, OpenMode, OpenPolicy, OpenTable, Opened, ServeMode};
-use crate::ahead::{Ahead, CheckAhead};
+use crate::ahead::{Ahead, CheckAhead, FetchAhead};
 use crate::fill::{Fill, Priority};
 use crate::memfs::{MemoryFile, MemoryFs};
 use crate::pressure::Guard;
@@ -61,6 +61,9 @@ pub struct Opens<B> {
     told: Arc<Mutex<HashSet<Ino>>>,
     /// Through FUSE: the files under a manifest hashed ahead of their opens.
     check_ahead: std::sync::OnceLock<Arc<CheckAhead>>,
+    /// Through FUSE, with nothing to hash: the shards' first parts fetched ahead of their
+    /// opens (remote sources).
+    fetch_ahead: std::sync::OnceLock<Arc<FetchAhead>>,
 }
 
 impl<B: Send + Sync + 'static> Opens<B> {
@@ -73,6 +76,7 @@ impl<B: Send + Sync + 'static> Opens<B> {
             guard: None,
             told: Arc::new(Mutex::new(HashSet::new())),
             check_ahead: std::sync::OnceLock::new(),
+            fetch_ahead: std::sync::OnceLock::new(),
         }
     }
 
@@ -111,8 +115,11 @@ impl<B: Send + Sync + 'static> Opens<B> {
     pub fn start_background(&self) {
         if self.mode.passthrough().is_none() {
             if self.copies.decode_ahead {
+                // Under a manifest the files are hashed first, which fetches them.
                 if let Some(check) = CheckAhead::start(self.view.clone()) {
                     let _ = self.check_ahead.set(check);
+                } else if let Some(fetch) = FetchAhead::start(self.view.clone()) {
+                    let _ = self.fetch_ahead.set(fetch);
                 }
             }
             return;
@@ -175,6 +182,11 @@ impl<B: Send + Sync + 'static> Opens<B> {
             },
         };
         if let Opened::Fuse { fh, .. } = opened {
+            if let Some(fetch) = self.fetch_ahead.get() {
+                if matches!(node.content, Content::Shard { .. }) {
+                    fetch.opened();
+                }
+            }
             if let Some(check) = self.check_ahead.get() {
                 if self.view.awaits_verdict(ino) {
                     check.before_verdict(ino);

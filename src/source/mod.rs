@@ -133,6 +133,15 @@ pub trait Object: Send + Sync {
         self.read_exact_at(buf, off)
     }
 
+    /// Bring in the bytes `[off, off + len)` for reads expected soon (an engine still
+    /// starting), and wait until they are in: a remote object fetches them as parts read
+    /// ahead, kept until read within the memory its source keeps for reading ahead. How
+    /// many bytes it took on: fewer than asked once that memory is full, none for a local
+    /// file (near already) or past the end.
+    fn fetch_ahead(&self, _off: u64, _len: u64) -> u64 {
+        0
+    }
+
     /// How many `read_once_at` calls gain from running at once (many GETs in flight).
     fn parallel_reads(&self) -> usize {
         1

@@ -1152,6 +1152,42 @@ impl Object for RemoteObject {
         Ok(())
     }
 
+    /// The parts that hold the range, each fetched as a part read ahead (kept until read)
+    /// until the parts read ahead and not read yet fill half of the source's memory.
+    fn fetch_ahead(&self, off: u64, len: u64) -> u64 {
+        let end = off.saturating_add(len).min(self.meta.size);
+        if off >= end || self.check_unchanged().is_err() {
+            return 0;
+        }
+        let Ok(live) = self.live() else {
+            return 0;
+        };
+        let p = self.remote.tuning.part_size;
+        let mut taken = Vec::new();
+        for idx in off / p..=(end - 1) / p {
+            match self.remote.part(&live, self, idx, true) {
+                Some(part) => taken.push((idx, part)),
+                None => break,
+            }
+        }
+        let mut had = 0;
+        for (idx, part) in taken {
+            let range = self.part_range(idx);
+            match live.runtime.block_on(part.fut) {
+                Ok(_) => had += end.min(range.end) - off.max(range.start),
+                // Not kept: a reader fetches it again, and meets the failure itself.
+                Err(f) => log::debug!(
+                    "{}: bytes {}..{} not fetched ahead: {}",
+                    self.shown,
+                    range.start,
+                    range.end,
+                    f.to_read_error()
+                ),
+            }
+        }
+        had
+    }
+
     fn parallel_reads(&self) -> usize {
         self.remote.tuning.in_flight.max(1)
     }
