@@ -167,6 +167,31 @@ pub struct Input {
     pub completed: Option<Box<dyn Fn() + Send + Sync>>,
 }
 
+#[cfg(test)]
+impl Input {
+    /// A source whose chunks `make` makes alone (nothing fetched, no check, on no disk);
+    /// tests set the fields they are about and take the rest from here.
+    pub(crate) fn made_by(
+        make: impl Fn(u64, &mut [u8]) -> Result<(), ReadError> + Send + Sync + 'static,
+    ) -> Input {
+        let make = Arc::new(make);
+        let unlock = make.clone();
+        Input {
+            fetch: Box::new(|_, _| Ok(())),
+            unlock: Box::new(move |off, buf| unlock(off, buf)),
+            decode: Box::new(move |off, buf| make(off, buf)),
+            check: None,
+            prefetch: None,
+            fetch_is_dma: Box::new(|_, _| false),
+            disk_shared: None,
+            in_page_cache: None,
+            fetch_ahead: 1,
+            digest: None,
+            completed: None,
+        }
+    }
+}
+
 /// A question about the sealed bytes of `[off, off + len)`.
 pub type RangeFn = dyn Fn(u64, u64) -> bool + Send + Sync;
 

@@ -30,20 +30,10 @@ fn with(
     check: Option<Arc<CheckFn>>,
     prefetch: Option<Box<PrefetchFn>>,
 ) -> Input {
-    let d = Arc::new(decode);
-    let e = d.clone();
     Input {
-        fetch: Box::new(|_, _| Ok(())),
-        unlock: Box::new(move |off, buf| d(off, buf)),
-        decode: Box::new(move |off, buf| e(off, buf)),
         check,
         prefetch,
-        fetch_is_dma: Box::new(|_, _| false),
-        disk_shared: None,
-        in_page_cache: None,
-        fetch_ahead: 1,
-        digest: None,
-        completed: None,
+        ..Input::made_by(decode)
     }
 }
 
@@ -534,15 +524,7 @@ fn xor_sealed(fetch: impl Fn(u64, &mut [u8]) -> io::Result<()> + Send + Sync + '
             buf.iter_mut().for_each(|b| *b ^= 0x5a);
             Ok(())
         }),
-        decode: Box::new(decode_ok),
-        check: None,
-        prefetch: None,
-        fetch_is_dma: Box::new(|_, _| false),
-        disk_shared: None,
-        in_page_cache: None,
-        fetch_ahead: 1,
-        digest: None,
-        completed: None,
+        ..Input::made_by(decode_ok)
     }
 }
 

@@ -266,17 +266,9 @@ fn checked_fill(
         Ok(())
     };
     let source = Input {
-        fetch: Box::new(|_, _| Ok(())),
         unlock: Box::new(unlock),
-        decode: Box::new(make),
         check,
-        prefetch: None,
-        fetch_is_dma: Box::new(|_, _| false),
-        disk_shared: None,
-        in_page_cache: None,
-        fetch_ahead: 1,
-        digest: None,
-        completed: None,
+        ..Input::made_by(make)
     };
     let target = Target {
         file: tempfile::tempfile().unwrap(),
