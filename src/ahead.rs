@@ -368,9 +368,13 @@ fn fetch_in_order(objects: impl Iterator<Item = Arc<dyn Object>>, opened: &Atomi
 
 /// The files check ahead hashes: those whose verdict is not in, shards first.
 fn check_order(view: &View) -> Vec<Ino> {
+    let paths = view.file_paths();
+    if !paths.iter().any(|&(_, ino)| view.awaits_verdict(ino)) {
+        // Nothing to hash: not even the index is read (a GET on a remote source).
+        return Vec::new();
+    }
     let mut files = order(view);
-    let rest: Vec<Ino> = view
-        .file_paths()
+    let rest: Vec<Ino> = paths
         .into_iter()
         .map(|(_, ino)| ino)
         .filter(|ino| !files.contains(ino))
