@@ -15,8 +15,9 @@
 //! so the files are hashed in the same order right after mounting, in the background, and
 //! an open finds the verdict in instead of waiting for a hash of the whole file.
 //!
-//! Fetch ahead ([`FetchAhead`]) is the same idea through FUSE with nothing to hash: a remote
-//! source's shards are fetched in that order, their first parts kept until read.
+//! Fetch ahead ([`FetchAhead`]) is the same idea through FUSE with nothing to hash: the
+//! shards' sealed bytes are brought in, in that order (remote parts kept until read, local
+//! pages into the page cache).
 
 use std::cmp::Ordering;
 use std::collections::HashSet;
@@ -284,15 +285,15 @@ impl CheckAhead {
     }
 }
 
-/// Fetch ahead: where shards are served through FUSE with nothing to hash first, a remote
-/// source's sealed bytes are what an open would wait for. Right after mounting, the shards'
-/// first parts are fetched in the order engines read them, one shard after another, into
-/// the parts a remote source keeps for reading ahead (half of `--source-memory`), until
-/// those are full or a shard is opened: from then on each reader's own prefetch window
-/// fetches, and the parts fetched ahead stay until read. The first fetches are one part,
-/// then two, then four at a time, so a reader that opens at once finds the first part
-/// come in alone, as fast as it can. A local source takes on nothing (its files are near),
-/// which ends the fetching at the first shard.
+/// Fetch ahead: where shards are served through FUSE with nothing to hash first, their
+/// sealed bytes are what an open would wait for. Right after mounting, on a thread in the
+/// background (`SCHED_IDLE`), the shards are brought in from their starts in the order
+/// engines read them, one after another, until a quarter of the memory limit is in, the
+/// source takes on no more, or a shard is opened (from then on the reads themselves fetch).
+/// A remote source keeps them as parts read ahead, within half of `--source-memory`, until
+/// read; a local one reads them into the page cache a piece at a time on a quiet disk, as
+/// decode ahead does. Steps of one part, then two, then four, so a reader that opens at
+/// once finds the first part come in alone, as fast as it can.
 pub struct FetchAhead {
     opened: AtomicBool,
 }
@@ -304,9 +305,9 @@ const FETCH_STEP_MAX: u64 = 32 << 20;
 const FETCH_STEP_FIRST: u64 = 8 << 20;
 
 impl FetchAhead {
-    /// Start fetching ahead on a thread of its own; `None` if there is no shard or the
-    /// thread could not start.
-    pub fn start(view: Arc<View>) -> Option<Arc<FetchAhead>> {
+    /// Start fetching ahead on a thread of its own, at most `bound` bytes in all; `None` if
+    /// there is no shard or the thread could not start.
+    pub fn start(view: Arc<View>, bound: u64) -> Option<Arc<FetchAhead>> {
         let shards = order(&view);
         if shards.is_empty() {
             return None;
@@ -316,11 +317,16 @@ impl FetchAhead {
         });
         let f = fetch.clone();
         let run = move || {
+            // Nobody waits for it: the engine's own start keeps the CPU.
+            // SAFETY: gettid has no preconditions.
+            run_in_background(unsafe { libc::gettid() }, true);
             let objects = shards
                 .into_iter()
                 .filter_map(|ino| view.sealed_object(ino).ok().flatten().cloned());
-            let total = fetch_in_order(objects, &f.opened);
-            log::debug!("fetch ahead: {total} bytes of sealed shards in memory");
+            let stats = view.stats().clone();
+            let counted = |n| crate::metrics::Stats::add(&stats.bytes_fetched_ahead, n);
+            let total = fetch_in_order(objects, bound, &f.opened, counted);
+            log::debug!("fetch ahead: {total} bytes of sealed shards brought in");
         };
         match std::thread::Builder::new()
             .name("kllm-fetch-ahead".into())
@@ -342,20 +348,27 @@ impl FetchAhead {
 }
 
 /// Fetch `objects` ahead one after another, from their starts, in growing steps, until
-/// one takes on less than asked (its source's memory for reading ahead is full, or it is
-/// near already) or `opened` is set; how many bytes were fetched.
-fn fetch_in_order(objects: impl Iterator<Item = Arc<dyn Object>>, opened: &AtomicBool) -> u64 {
+/// `bound` bytes are in, one takes on less than asked (its source's memory for reading
+/// ahead is full, or it fetches nothing) or `opened` is set; `counted` is told each step's
+/// bytes. How many bytes were fetched.
+fn fetch_in_order(
+    objects: impl Iterator<Item = Arc<dyn Object>>,
+    bound: u64,
+    opened: &AtomicBool,
+    counted: impl Fn(u64),
+) -> u64 {
     let mut step = FETCH_STEP_FIRST;
     let mut total = 0;
     for object in objects {
         let mut off = 0;
         while off < object.len() {
-            if opened.load(AtomicOrdering::Relaxed) {
+            if opened.load(AtomicOrdering::Relaxed) || total >= bound {
                 return total;
             }
-            let want = step.min(object.len() - off);
+            let want = step.min(object.len() - off).min(bound - total);
             let had = object.fetch_ahead(off, want);
             total += had;
+            counted(had);
             if had < want {
                 return total;
             }
@@ -449,11 +462,11 @@ mod tests {
     }
 
     /// Steps of 8, 16, then 32 MiB from each object's start, one object after another;
-    /// fetching ends where the memory runs out, or once a shard is opened.
+    /// fetching ends where the memory runs out, at the bound, or once a shard is opened.
     #[test]
     fn fetch_ahead_ramps_up_in_order_and_stops_when_full_or_opened() {
         const M: u64 = 1 << 20;
-        let run = |budget: u64, opens_after: Option<usize>| {
+        let run = |budget: u64, bound: u64, opens_after: Option<usize>| {
             let budget = Arc::new(Mutex::new(budget));
             let asked = Arc::new(Mutex::new(Vec::new()));
             let opened = Arc::new(AtomicBool::new(false));
@@ -468,11 +481,11 @@ mod tests {
                     }) as Arc<dyn Object>
                 })
                 .collect();
-            let total = fetch_in_order(objects.into_iter(), &opened);
+            let total = fetch_in_order(objects.into_iter(), bound, &opened, |_| {});
             let asked = asked.lock().clone();
             (total, asked)
         };
-        let (total, asked) = run(u64::MAX, None);
+        let (total, asked) = run(u64::MAX, u64::MAX, None);
         assert_eq!(total, 120 * M);
         assert_eq!(
             asked,
@@ -485,17 +498,23 @@ mod tests {
                 (20 * M, 0, 20 * M),
             ]
         );
-        let (total, asked) = run(30 * M, None);
+        let (total, asked) = run(30 * M, u64::MAX, None);
         assert_eq!(
             (total, asked.len()),
             (30 * M, 3),
             "ends at the first short step"
         );
-        let (total, asked) = run(u64::MAX, Some(2));
+        let (total, asked) = run(u64::MAX, u64::MAX, Some(2));
         assert_eq!(
             (total, asked.len()),
             (24 * M, 2),
             "ends once a shard is opened"
+        );
+        let (total, asked) = run(u64::MAX, 30 * M, None);
+        assert_eq!(
+            (total, asked.last().copied()),
+            (30 * M, Some((100 * M, 24 * M, 6 * M))),
+            "ends at the bound, the last step cut to it"
         );
     }
 

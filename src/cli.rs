@@ -57,7 +57,8 @@ pub struct Args {
     /// priority, the daemon decodes the shards in the order engines load them (passthrough
     /// mode, within --passthrough-memory), or through FUSE hashes the files under a
     /// manifest in that order, so their opens need not wait for the hash, or else fetches
-    /// a remote source's shards in that order (within half of --source-memory).
+    /// the shards in that order (a remote source's within half of --source-memory, a local
+    /// one's into the page cache).
     #[arg(long)]
     pub no_decode_ahead: bool,
     /// FUSE options, comma-separated (e.g. allow_other; never on by default). Every long option

@@ -49,6 +49,14 @@ impl DiskShare {
         )
     }
 
+    /// Wait while other processes read the disk, looking every `pause`, at most `max`.
+    pub fn wait_quiet(&self, pause: std::time::Duration, max: std::time::Duration) {
+        let since = std::time::Instant::now();
+        while self.others_read().is_some_and(|n| n > 0) && since.elapsed() < max {
+            std::thread::sleep(pause);
+        }
+    }
+
     fn read_counts(&self) -> Option<(u64, u64)> {
         let stat = std::fs::read_to_string(&self.device_stat).ok()?;
         let io = std::fs::read_to_string("/proc/self/io").ok()?;

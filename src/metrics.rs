@@ -119,8 +119,8 @@ counters! {
     remote_get_failures: Counter, "remote_get_failures_total", "Parts of remote objects not fetched, after retries.";
     /// Bytes of the bodies of ranged GETs, as received.
     remote_bytes_fetched: Counter, "remote_fetched_bytes_total", "Bytes received from the remote source.";
-    /// Of the shards' sealed bytes, those fetched ahead of any reader (fetch ahead, FUSE mode).
-    remote_bytes_fetched_ahead: Counter, "remote_fetched_ahead_bytes_total", "Sealed bytes fetched ahead of any reader.";
+    /// Of the shards' sealed bytes, those brought in ahead of any open (fetch ahead, FUSE mode).
+    bytes_fetched_ahead: Counter, "fetched_ahead_bytes_total", "Sealed bytes of shards brought in ahead of any open.";
     /// Parts found whole and intact in the node cache (`--cache-dir`).
     node_cache_hits: Counter, "node_cache_hits_total", "Parts found in the node cache.";
     /// Parts looked for in the node cache and fetched from the source instead.

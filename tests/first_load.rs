@@ -284,3 +284,89 @@ fn a_sealed_shards_page_cache_goes_once_its_copy_holds_it() {
         );
     }
 }
+
+/// How many of `path`'s pages are in the page cache.
+fn pages_cached(path: &Path) -> usize {
+    use std::os::fd::AsRawFd;
+    let f = File::open(path).unwrap();
+    let len = f.metadata().unwrap().len() as usize;
+    let page = 4096;
+    let mut vec = vec![0u8; len.div_ceil(page)];
+    // SAFETY: a private read-only mapping of a file we hold, looked at by mincore only, and
+    // unmapped before return.
+    unsafe {
+        let p = libc::mmap(
+            std::ptr::null_mut(),
+            len,
+            libc::PROT_READ,
+            libc::MAP_SHARED,
+            f.as_raw_fd(),
+            0,
+        );
+        assert_ne!(p, libc::MAP_FAILED);
+        assert_eq!(libc::mincore(p, len, vec.as_mut_ptr()), 0);
+        libc::munmap(p, len);
+    }
+    vec.iter().filter(|&&b| b & 1 == 1).count()
+}
+
+/// Through FUSE with nothing to hash first, a local source's shards are read into the page
+/// cache right after mounting (fetch ahead), so an engine that opens them after its imports
+/// waits for no disk; with --no-decode-ahead they are left to their first reads. The bytes
+/// read are exact either way.
+#[test]
+fn fuse_mode_reads_local_shards_into_the_page_cache_ahead_of_their_first_open() {
+    let s = Sample::new(KEY, 256, 4, Some(Version::V2), |_| {});
+    let view = s.view();
+    let shards: Vec<String> = view
+        .keys()
+        .filter(|rel| rel.ends_with(".safetensors"))
+        .cloned()
+        .collect();
+    let sealed: u64 = shards
+        .iter()
+        .map(|rel| fs::metadata(s.sealed().join(rel)).unwrap().len())
+        .sum();
+    let pages: usize = shards
+        .iter()
+        .map(|rel| (fs::metadata(s.sealed().join(rel)).unwrap().len() as usize).div_ceil(4096))
+        .sum();
+    let cached = || -> usize {
+        shards
+            .iter()
+            .map(|rel| pages_cached(&s.sealed().join(rel)))
+            .sum()
+    };
+    for ahead in [false, true] {
+        for rel in &shards {
+            evict(&s.sealed().join(rel));
+        }
+        let mut args = vec!["--verify", "off"];
+        if !ahead {
+            args.push("--no-decode-ahead");
+        }
+        let m = s.mount_fuse(&args);
+        if ahead {
+            wait_for(30, "every shard read ahead", || {
+                counter(&m, "bytes_fetched_ahead") == sealed
+            });
+            assert_eq!(
+                cached(),
+                pages,
+                "every page of the shards in the page cache"
+            );
+        } else {
+            std::thread::sleep(Duration::from_millis(500));
+            assert_eq!(counter(&m, "bytes_fetched_ahead"), 0, "--no-decode-ahead");
+            assert!(
+                cached() < pages / 2,
+                "--no-decode-ahead: {} of {pages} pages cached before any open",
+                cached()
+            );
+        }
+        for rel in &shards {
+            let got = fs::read(m.path(rel)).unwrap();
+            assert!(got == view[rel], "{rel}: not byte-exact (ahead: {ahead})");
+        }
+    }
+}

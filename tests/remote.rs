@@ -1045,11 +1045,11 @@ fn fuse_mode_fetches_the_shards_ahead_of_their_first_open() {
         let n = |name: &str| status(&m)[name].as_u64().unwrap();
         if ahead {
             wait_for(30, "every shard fetched ahead", || {
-                n("remote_bytes_fetched_ahead") == sealed
+                n("bytes_fetched_ahead") == sealed
             });
         } else {
             std::thread::sleep(Duration::from_millis(500));
-            assert_eq!(n("remote_bytes_fetched_ahead"), 0, "--no-decode-ahead");
+            assert_eq!(n("bytes_fetched_ahead"), 0, "--no-decode-ahead");
         }
         let gets = n("remote_gets");
         for rel in &shards {

@@ -47,16 +47,16 @@ pub const CHUNK: u64 = 8 << 20;
 /// importing beside it pages its libraries in with small reads, and each waits behind what
 /// the device is already reading (docs/PERFORMANCE.md, "Engines"). Alone on the disk, the
 /// fill reads whole chunks: 1 MiB reads one at a time fill slower.
-const BACKGROUND_PIECE: usize = 1 << 20;
+pub(crate) const BACKGROUND_PIECE: usize = 1 << 20;
 /// Before each such piece, decode ahead waits while others keep reading the disk, looking
 /// again after each pause: an engine importing pages its libraries in by bursts of reads
 /// between stretches of work, and a piece read in those stretches delays none of them
 /// (docs/PERFORMANCE.md, "Changed: decode ahead waits for a quiet disk").
-const YIELD_PAUSE: Duration = Duration::from_millis(10);
+pub(crate) const YIELD_PAUSE: Duration = Duration::from_millis(10);
 /// The longest wait before a piece: a disk that others never leave still gives decode
 /// ahead a piece this often, and two daemons decoding ahead on one disk do not stop each
 /// other.
-const MAX_YIELD: Duration = Duration::from_millis(100);
+pub(crate) const MAX_YIELD: Duration = Duration::from_millis(100);
 /// How far ahead of the decoder the sealed bytes are asked for.
 const PREFETCH_WINDOW: u64 = 64 << 20;
 const PREFETCH_STEP: u64 = 16 << 20;

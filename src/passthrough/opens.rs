@@ -118,7 +118,8 @@ impl<B: Send + Sync + 'static> Opens<B> {
                 // Under a manifest the files are hashed first, which fetches them.
                 if let Some(check) = CheckAhead::start(self.view.clone()) {
                     let _ = self.check_ahead.set(check);
-                } else if let Some(fetch) = FetchAhead::start(self.view.clone()) {
+                } else if let Some(fetch) = FetchAhead::start(self.view.clone(), self.fetch_bound())
+                {
                     let _ = self.fetch_ahead.set(fetch);
                 }
             }
@@ -163,6 +164,17 @@ impl<B: Send + Sync + 'static> Opens<B> {
             let budget = move || mode.passthrough().map(|m| m.budget());
             crate::ahead::start(self.view.clone(), budget, start);
         }
+    }
+
+    /// The most fetch ahead brings in: a quarter of the memory limit. For a local source that
+    /// is page cache (which the kernel takes back first, but which counts against a
+    /// container's limit); a remote one also keeps within half of `--source-memory`.
+    fn fetch_bound(&self) -> u64 {
+        let limit = match &self.guard {
+            Some(guard) => guard.limits().effective(),
+            None => crate::limits::Limits::of_this_process().effective(),
+        };
+        limit.bytes / 4
     }
 
     /// Open file `ino` in passthrough mode when possible, backed through `open_backing`,

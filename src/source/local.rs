@@ -291,6 +291,32 @@ impl Object for LocalFile {
         Ok(self.file()?.read_exact_at(buf, off)?)
     }
 
+    /// Read through the page cache (where the reads to come find the bytes) a piece at a
+    /// time, as decode ahead reads a disk: each piece once others have left the disk quiet
+    /// (an engine importing reads it too), after at most a short wait.
+    fn fetch_ahead(&self, off: u64, len: u64) -> u64 {
+        use crate::fill::{BACKGROUND_PIECE, MAX_YIELD, YIELD_PAUSE};
+        let Ok(file) = self.file() else {
+            return 0;
+        };
+        let end = off.saturating_add(len).min(self.len());
+        let share = crate::disk_share::DiskShare::of(file);
+        let mut piece = vec![0u8; BACKGROUND_PIECE.min(end.saturating_sub(off) as usize)];
+        let mut at = off;
+        while at < end {
+            if let Some(share) = &share {
+                share.wait_quiet(YIELD_PAUSE, MAX_YIELD);
+            }
+            let n = (end - at).min(piece.len() as u64) as usize;
+            if let Err(e) = file.read_exact_at(&mut piece[..n], at) {
+                log::debug!("{}: not read ahead past {at}: {e}", self.path.display());
+                break;
+            }
+            at += n as u64;
+        }
+        at.saturating_sub(off)
+    }
+
     fn check_unchanged(&self) -> Result<(), ReadError> {
         let now = Stamp::from_meta(&self.file()?.metadata()?);
         if now != self.stamp {

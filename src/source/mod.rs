@@ -135,9 +135,10 @@ pub trait Object: Send + Sync {
 
     /// Bring in the bytes `[off, off + len)` for reads expected soon (an engine still
     /// starting), and wait until they are in: a remote object fetches them as parts read
-    /// ahead, kept until read within the memory its source keeps for reading ahead. How
-    /// many bytes it took on: fewer than asked once that memory is full, none for a local
-    /// file (near already) or past the end.
+    /// ahead, kept until read within the memory its source keeps for reading ahead; a local
+    /// file reads them into the page cache. How many bytes it took on: fewer than asked once
+    /// that memory is full, past the end, or on a failure (a source with nothing to bring
+    /// in takes on none).
     fn fetch_ahead(&self, _off: u64, _len: u64) -> u64 {
         0
     }

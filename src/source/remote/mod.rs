@@ -1185,7 +1185,6 @@ impl Object for RemoteObject {
                 ),
             }
         }
-        Stats::add(&self.remote.stats.remote_bytes_fetched_ahead, had);
         had
     }
 
