@@ -151,11 +151,23 @@ pub fn start(
     decode: impl Fn(Ino, usize) -> Ahead + Send + 'static,
 ) {
     let run = move || run(&view, budget, decode);
-    if let Err(e) = std::thread::Builder::new()
-        .name("kllm-ahead".into())
-        .spawn(run)
-    {
-        log::warn!("no decode ahead ({e}): shards are decoded on their first open");
+    spawn(
+        "kllm-ahead",
+        run,
+        "decode ahead",
+        "shards are decoded on their first open",
+    );
+}
+
+/// Start `run` on a thread named `name`; whether it started. If not, say that there is no
+/// `what` and what happens instead (`then`).
+fn spawn(name: &str, run: impl FnOnce() + Send + 'static, what: &str, then: &str) -> bool {
+    match std::thread::Builder::new().name(name.into()).spawn(run) {
+        Ok(_) => true,
+        Err(e) => {
+            log::warn!("no {what} ({e}): {then}");
+            false
+        }
     }
 }
 
@@ -233,16 +245,8 @@ impl CheckAhead {
             }
             log::debug!("check ahead: done");
         };
-        match std::thread::Builder::new()
-            .name("kllm-check".into())
-            .spawn(run)
-        {
-            Ok(_) => Some(check),
-            Err(e) => {
-                log::warn!("no check ahead ({e}): files are hashed on their first open");
-                None
-            }
-        }
+        let hashed_on_open = "files are hashed on their first open";
+        spawn("kllm-check", run, "check ahead", hashed_on_open).then_some(check)
     }
 
     /// Whether the check-ahead thread hashes file `ino` now (in the background), or leaves
@@ -328,16 +332,8 @@ impl FetchAhead {
             let total = fetch_in_order(objects, bound, &f.opened, counted);
             log::debug!("fetch ahead: {total} bytes of sealed shards brought in");
         };
-        match std::thread::Builder::new()
-            .name("kllm-fetch-ahead".into())
-            .spawn(run)
-        {
-            Ok(_) => Some(fetch),
-            Err(e) => {
-                log::warn!("no fetch ahead ({e}): shards are fetched on their first read");
-                None
-            }
-        }
+        let fetched_on_read = "shards are fetched on their first read";
+        spawn("kllm-fetch-ahead", run, "fetch ahead", fetched_on_read).then_some(fetch)
     }
 
     /// A shard was opened: its reader's prefetch window fetches from now on, and the memory
