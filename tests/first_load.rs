@@ -318,27 +318,20 @@ fn pages_cached(path: &Path) -> usize {
 fn fuse_mode_reads_local_shards_into_the_page_cache_ahead_of_their_first_open() {
     let s = Sample::new(KEY, 256, 4, Some(Version::V2), |_| {});
     let view = s.view();
-    let shards: Vec<String> = view
-        .keys()
-        .filter(|rel| rel.ends_with(".safetensors"))
-        .cloned()
-        .collect();
-    let sealed: u64 = shards
-        .iter()
-        .map(|rel| fs::metadata(s.sealed().join(rel)).unwrap().len())
-        .sum();
+    let shards = s.sealed_shards();
+    let sealed: u64 = shards.iter().map(|(_, len)| len).sum();
     let pages: usize = shards
         .iter()
-        .map(|rel| (fs::metadata(s.sealed().join(rel)).unwrap().len() as usize).div_ceil(4096))
+        .map(|(_, len)| (*len as usize).div_ceil(4096))
         .sum();
     let cached = || -> usize {
         shards
             .iter()
-            .map(|rel| pages_cached(&s.sealed().join(rel)))
+            .map(|(rel, _)| pages_cached(&s.sealed().join(rel)))
             .sum()
     };
     for ahead in [false, true] {
-        for rel in &shards {
+        for (rel, _) in &shards {
             evict(&s.sealed().join(rel));
         }
         let mut args = vec!["--verify", "off"];
@@ -364,7 +357,7 @@ fn fuse_mode_reads_local_shards_into_the_page_cache_ahead_of_their_first_open() 
                 cached()
             );
         }
-        for rel in &shards {
+        for (rel, _) in &shards {
             let got = fs::read(m.path(rel)).unwrap();
             assert!(got == view[rel], "{rel}: not byte-exact (ahead: {ahead})");
         }

@@ -1007,22 +1007,15 @@ fn fuse_mode_fetches_the_shards_ahead_of_their_first_open() {
     let sample = Sample::new([9; 32], 128, 4, Some(kllm_mount::lock::Version::V2), |_| {});
     server.put_tree(BUCKET, "early", &sample.sealed(), &[]);
     let view = sample.view();
-    let shards: Vec<String> = view
-        .keys()
-        .filter(|rel| rel.ends_with(".safetensors"))
-        .cloned()
-        .collect();
-    let sizes: Vec<u64> = shards
-        .iter()
-        .map(|rel| fs::metadata(sample.sealed().join(rel)).unwrap().len())
-        .collect();
-    let sealed: u64 = sizes.iter().sum();
+    let shards = sample.sealed_shards();
+    let sealed: u64 = shards.iter().map(|(_, len)| len).sum();
     assert!(shards.len() >= 2, "shards: {shards:?}");
     // One part a shard: with smaller parts the kernel's readahead, whose reads reach the
     // daemon out of order, can have a window fetch a part again that later reads already
     // read through (harmless, and not seen with parts much larger than its reads: 69 GETs
     // for 64 parts and the mount's own, reading 512 MiB in 8 MiB parts).
-    let part = sizes.iter().max().unwrap().next_power_of_two().max(4096);
+    let largest = shards.iter().map(|(_, len)| *len).max().unwrap();
+    let part = largest.next_power_of_two().max(4096);
     // Room to read every part ahead: half of the source's memory.
     let memory = format!("{}K", 4 * part * shards.len() as u64 / 1024);
 
@@ -1052,7 +1045,7 @@ fn fuse_mode_fetches_the_shards_ahead_of_their_first_open() {
             assert_eq!(n("bytes_fetched_ahead"), 0, "--no-decode-ahead");
         }
         let gets = n("remote_gets");
-        for rel in &shards {
+        for (rel, _) in &shards {
             let got = fs::read(m.path(rel)).unwrap();
             assert!(got == view[rel], "{rel}: not byte-exact (ahead: {ahead})");
         }

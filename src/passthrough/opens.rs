@@ -61,8 +61,8 @@ pub struct Opens<B> {
     told: Arc<Mutex<HashSet<Ino>>>,
     /// Through FUSE: the files under a manifest hashed ahead of their opens.
     check_ahead: std::sync::OnceLock<Arc<CheckAhead>>,
-    /// Through FUSE, with nothing to hash: the shards' first parts fetched ahead of their
-    /// opens (remote sources).
+    /// Through FUSE, with nothing to hash: the shards fetched ahead of their opens (remote
+    /// parts kept in memory, local pages in the page cache).
     fetch_ahead: std::sync::OnceLock<Arc<FetchAhead>>,
 }
 

@@ -79,6 +79,18 @@ impl Sample {
         sealed::open(&self.sealed(), &self.key, &"test", &opts)
     }
 
+    /// The shards (`*.safetensors`) of the sealed directory by path, with their sealed sizes.
+    pub fn sealed_shards(&self) -> Vec<(String, u64)> {
+        self.view()
+            .into_keys()
+            .filter(|rel| rel.ends_with(".safetensors"))
+            .map(|rel| {
+                let len = fs::metadata(self.sealed().join(&rel)).unwrap().len();
+                (rel, len)
+            })
+            .collect()
+    }
+
     /// Every file of the view as the core reads it now (no cache), by path: the oracle
     /// (tests/core_vectors.rs holds the core to the shared vectors).
     pub fn view(&self) -> BTreeMap<String, Vec<u8>> {
