@@ -17,6 +17,19 @@ use crate::ReadError;
 
 pub type Block = Arc<SecureBuf>;
 
+/// Reads of this size or more bypass the cache ([`BlockCache::read_shard`]): the kernel's
+/// readahead requests (128 KiB by default, up to the window raised at mount).
+pub const DIRECT_MIN: u64 = 128 << 10;
+
+/// What one read through the cache did: blocks found and decoded for it, and the bytes
+/// run through the decoder (whole blocks for misses).
+#[derive(Debug, Default, Clone, Copy, PartialEq, Eq)]
+pub struct Decoded {
+    pub hits: u64,
+    pub misses: u64,
+    pub bytes: u64,
+}
+
 pub struct BlockCache {
     block_size: u64,
     lru: Option<Mutex<LruCache<(u64, u64), Block>>>,
@@ -89,13 +102,15 @@ impl BlockCache {
         1 << (63 - b.leading_zeros())
     }
 
-    /// View bytes `[off, off + out.len())` of the locked shard `file`, through the cache;
-    /// how many blocks were found in it and how many were decoded for it.
+    /// View bytes `[off, off + out.len())` of the locked shard `file`, through the cache.
     ///
-    /// A read that covers whole blocks decodes straight into `out`: the kernel keeps those
-    /// pages (FOPEN_KEEP_CACHE), so caching them here too would only cost a copy. The cache
-    /// serves the pieces of blocks that reads cut, so a run of small reads decodes each
-    /// block once.
+    /// A read of [`DIRECT_MIN`] or more (or of a block) decodes straight into `out`, cache
+    /// or not: it is one of the kernel's readahead requests, whose pages the kernel keeps
+    /// (FOPEN_KEEP_CACHE), and the bytes next to it come in requests of their own, often at
+    /// once on other threads. Decoding the blocks it cuts whole would decode them twice
+    /// (after a reader's first small read the kernel's windows are not block-aligned, and
+    /// with small windows several requests in one block miss it at once). The cache serves
+    /// smaller reads, so a run of them decodes each block once.
     pub fn read_shard(
         &self,
         file: u64,
@@ -103,36 +118,45 @@ impl BlockCache {
         off: u64,
         out: &mut [u8],
         raw: &RawReader<'_>,
-    ) -> Result<(u64, u64), ReadError> {
-        if !self.enabled() {
-            return shard.read(off, out, raw).map(|()| (0, 0));
-        }
-        let (mut hits, mut misses) = (0, 0);
+    ) -> Result<Decoded, ReadError> {
         let bs = self.block_size;
-        let end = off + out.len() as u64;
+        let len = out.len() as u64;
+        if !self.enabled() || len >= bs.min(DIRECT_MIN) {
+            shard.read(off, out, raw)?;
+            return Ok(Decoded {
+                bytes: len,
+                ..Decoded::default()
+            });
+        }
+        let mut done = Decoded::default();
+        let end = off + len;
         let cut = ranges::cut(off, end, bs, shard.file_len);
         let whole = cut.whole_bytes(bs, shard.file_len);
         if !whole.is_empty() {
             let at = (whole.start - off) as usize..(whole.end - off) as usize;
             shard.read(whole.start, &mut out[at], raw)?;
+            done.bytes += whole.end - whole.start;
         }
         for Piece { block, bytes } in [cut.head, cut.tail].into_iter().flatten() {
             let b_start = block * bs;
             let data = match self.get(file, block) {
                 Some(d) => {
-                    hits += 1;
+                    done.hits += 1;
                     d
                 }
                 None => {
-                    misses += 1;
+                    done.misses += 1;
                     let b_end = (b_start + bs).min(shard.file_len);
                     let mut buf = SecureBuf::new((b_end - b_start) as usize)?;
                     if let Err(e) = shard.read(b_start, &mut buf, raw) {
                         // A bad value elsewhere in the block must not fail this read: serve
                         // exactly the range asked for, which fails only if it holds one.
                         log::debug!("block {block} of file {file} not cached: {e}");
-                        return shard.read(off, out, raw).map(|()| (hits, misses));
+                        shard.read(off, out, raw)?;
+                        done.bytes += len;
+                        return Ok(done);
                     }
+                    done.bytes += b_end - b_start;
                     let d = Arc::new(buf);
                     self.insert(file, block, d.clone());
                     d
@@ -142,7 +166,7 @@ impl BlockCache {
                 &data[(bytes.start - b_start) as usize..(bytes.end - b_start) as usize],
             );
         }
-        Ok((hits, misses))
+        Ok(done)
     }
 
     /// Bytes held now (for tests and the RSS benchmark).
@@ -176,5 +200,115 @@ mod tests {
         assert_eq!(BlockCache::block_size_for(256 << 20), 1 << 20);
         assert_eq!(BlockCache::block_size_for(64 << 10), 4096);
         assert_eq!(BlockCache::block_size_for(3 << 20), 128 << 10);
+    }
+
+    /// A sealed shard of one 8 MiB BF16 tensor in memory, and its plain bytes.
+    #[cfg(feature = "seal")]
+    fn sealed_shard() -> (Shard, Vec<u8>, Vec<u8>) {
+        use crate::key::ModelKey;
+        use crate::lock::Version;
+        use crate::testseal::{lock_tensors, safetensors_bytes, sample_bf16, Tensor};
+        let key = ModelKey::new([3; 32]);
+        let mut tensors = vec![Tensor {
+            name: "w".into(),
+            dtype: safetensors::Dtype::BF16,
+            shape: vec![4 << 20],
+            data: sample_bf16(1, 4 << 20),
+        }];
+        let plain = safetensors_bytes(&tensors, &Default::default());
+        let doc = lock_tensors(&mut tensors, &key, Version::V2, "", &|_| false)
+            .unwrap()
+            .unwrap();
+        let mut md = serde_json::Map::new();
+        md.insert("kllm.lock".into(), serde_json::Value::String(doc));
+        let sealed = safetensors_bytes(&tensors, &md);
+        let n = u64::from_le_bytes(sealed[..8].try_into().unwrap()) as usize;
+        let shard = Shard::from_header(
+            std::path::Path::new("s"),
+            &sealed[8..8 + n],
+            sealed.len() as u64,
+            "",
+            &key,
+        )
+        .unwrap();
+        let mut view = vec![0u8; sealed.len()];
+        let raw = |at: u64, buf: &mut [u8]| -> std::io::Result<()> {
+            buf.copy_from_slice(&sealed[at as usize..at as usize + buf.len()]);
+            Ok(())
+        };
+        shard.read(0, &mut view, &raw).unwrap();
+        assert_eq!(&view[8 + n..], &plain[plain.len() - (4 << 21)..]);
+        (shard, sealed, view)
+    }
+
+    /// Read `reads` (offset, length) of the shard through a cache of 1 MiB blocks, on
+    /// `threads` threads taking every `threads`-th read; checks every byte and returns the
+    /// totals.
+    #[cfg(feature = "seal")]
+    fn read_through(reads: &[(u64, usize)], threads: usize) -> Decoded {
+        let (shard, sealed, view) = sealed_shard();
+        let cache = BlockCache::new(16 << 20, 1 << 20);
+        let raw = |at: u64, buf: &mut [u8]| -> std::io::Result<()> {
+            buf.copy_from_slice(&sealed[at as usize..at as usize + buf.len()]);
+            Ok(())
+        };
+        let per_thread: Vec<Decoded> = std::thread::scope(|s| {
+            let (cache, shard, view, raw) = (&cache, &shard, &view, &raw);
+            let handles: Vec<_> = (0..threads)
+                .map(|t| {
+                    s.spawn(move || {
+                        let mut sum = Decoded::default();
+                        for &(off, len) in reads.iter().skip(t).step_by(threads) {
+                            let len = len.min(view.len() - off as usize);
+                            let mut out = vec![0u8; len];
+                            let d = cache.read_shard(1, shard, off, &mut out, raw).unwrap();
+                            assert!(out[..] == view[off as usize..][..len], "at {off} (+{len})");
+                            sum.hits += d.hits;
+                            sum.misses += d.misses;
+                            sum.bytes += d.bytes;
+                        }
+                        sum
+                    })
+                })
+                .collect();
+            handles.into_iter().map(|h| h.join().unwrap()).collect()
+        });
+        per_thread.iter().fold(Decoded::default(), |a, d| Decoded {
+            hits: a.hits + d.hits,
+            misses: a.misses + d.misses,
+            bytes: a.bytes + d.bytes,
+        })
+    }
+
+    /// A loader reads its header, then the rest in 1 MiB reads; the kernel's readahead
+    /// then asks for windows that are not block-aligned, several at once. Each byte is
+    /// decoded once, not once for each read that cuts its block.
+    #[cfg(feature = "seal")]
+    #[test]
+    fn readahead_windows_cutting_blocks_decode_each_byte_once() {
+        let len = sealed_shard().2.len() as u64;
+        let mut reads = vec![(0, 4096)];
+        reads.extend((4096..len).step_by(1 << 20).map(|off| (off, 1 << 20)));
+        let d = read_through(&reads, 4);
+        assert_eq!(
+            (d.hits, d.misses),
+            (0, 1),
+            "only the small first read is cached"
+        );
+        assert!(d.bytes <= len + (1 << 20), "decoded {} of {len}", d.bytes);
+
+        // The kernel's own 128 KiB windows, four at a time, eight to a block.
+        let reads: Vec<_> = (0..len)
+            .step_by(128 << 10)
+            .map(|o| (o, 128 << 10))
+            .collect();
+        let d = read_through(&reads, 4);
+        assert_eq!(d.bytes, len, "{d:?}");
+
+        // Small reads in order (a header probe, records): each block decoded once.
+        let reads: Vec<_> = (0..len).step_by(48 << 10).map(|o| (o, 48 << 10)).collect();
+        let d = read_through(&reads, 1);
+        assert_eq!(d.bytes, len, "{d:?}");
+        assert!(d.hits > d.misses, "{d:?}");
     }
 }

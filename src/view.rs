@@ -364,10 +364,10 @@ impl View {
             }
             Content::Shard { object, shard } => {
                 let raw = |at: u64, buf: &mut [u8]| source::raw_read(&**object, at, buf);
-                let (hits, misses) = self.cache.read_shard(ino, shard, off, out, &raw)?;
-                Stats::add(&self.stats.cache_hits, hits);
-                Stats::add(&self.stats.cache_misses, misses);
-                Stats::add(&self.stats.bytes_decoded, len as u64);
+                let done = self.cache.read_shard(ino, shard, off, out, &raw)?;
+                Stats::add(&self.stats.cache_hits, done.hits);
+                Stats::add(&self.stats.cache_misses, done.misses);
+                Stats::add(&self.stats.bytes_decoded, done.bytes);
                 // Bytes decoded from a file rewritten since mounting are wrong: checked
                 // after reading, so a change before or during the read is caught.
                 let touched_data = off + len as u64 > shard.data_start;
