@@ -10,6 +10,31 @@
 use parking_lot::Mutex;
 use std::fs::File;
 use std::path::PathBuf;
+use std::time::{Duration, Instant};
+
+/// Before each piece, a reader nobody waits for waits while others keep reading the disk,
+/// looking again after each pause: an engine importing pages its libraries in by bursts of
+/// reads between stretches of work, and a piece read in those stretches delays none of them
+/// (docs/PERFORMANCE.md, "Changed: decode ahead waits for a quiet disk").
+pub const YIELD_PAUSE: Duration = Duration::from_millis(10);
+/// The longest wait before a piece: a disk that others never leave still gives the reader a
+/// piece this often, and two daemons reading ahead on one disk do not stop each other.
+pub const MAX_YIELD: Duration = Duration::from_millis(100);
+
+/// Wait while others read the disk: `busy` is the look already taken, `others_read` looks
+/// again after each [`YIELD_PAUSE`]; at most [`MAX_YIELD`], and only while `still()` (a
+/// reader someone now waits for stops yielding).
+pub fn yield_to_others(
+    mut busy: bool,
+    mut others_read: impl FnMut() -> bool,
+    still: impl Fn() -> bool,
+) {
+    let since = Instant::now();
+    while busy && since.elapsed() < MAX_YIELD && still() {
+        std::thread::sleep(YIELD_PAUSE);
+        busy = others_read();
+    }
+}
 
 /// The statistics of the block device that holds one file.
 pub struct DiskShare {
@@ -49,12 +74,10 @@ impl DiskShare {
         )
     }
 
-    /// Wait while other processes read the disk, looking every `pause`, at most `max`.
-    pub fn wait_quiet(&self, pause: std::time::Duration, max: std::time::Duration) {
-        let since = std::time::Instant::now();
-        while self.others_read().is_some_and(|n| n > 0) && since.elapsed() < max {
-            std::thread::sleep(pause);
-        }
+    /// Wait while other processes read the disk ([`yield_to_others`]).
+    pub fn wait_quiet(&self) {
+        let others = || self.others_read().is_some_and(|n| n > 0);
+        yield_to_others(others(), others, || true);
     }
 
     fn read_counts(&self) -> Option<(u64, u64)> {
@@ -94,6 +117,30 @@ mod tests {
         assert_eq!(own_bytes_read(io), Some(8192));
         assert_eq!(disk_bytes_read(""), None);
         assert_eq!(own_bytes_read("rchar: 1\n"), None);
+    }
+
+    /// How many looks a yield takes: none on a quiet disk or for a reader someone waits
+    /// for, until the disk is quiet, and no more than the longest wait allows.
+    #[test]
+    fn a_yield_looks_until_the_disk_is_quiet_or_the_wait_is_up() {
+        let looks = |busy: bool, quiet_after: usize, still: bool| {
+            let mut n = 0;
+            yield_to_others(
+                busy,
+                || {
+                    n += 1;
+                    n < quiet_after
+                },
+                || still,
+            );
+            n
+        };
+        assert_eq!(looks(false, usize::MAX, true), 0, "quiet");
+        assert_eq!(looks(true, usize::MAX, false), 0, "someone waits");
+        assert_eq!(looks(true, 3, true), 3, "quiet at the third look");
+        let most = (MAX_YIELD.as_millis() / YIELD_PAUSE.as_millis()) as usize;
+        let n = looks(true, usize::MAX, true);
+        assert!((1..=most).contains(&n), "{n} looks of at most {most}");
     }
 
     /// A read of this process's own from the disk is not counted as another's; a read by

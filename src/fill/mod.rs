@@ -48,15 +48,6 @@ pub const CHUNK: u64 = 8 << 20;
 /// the device is already reading (docs/PERFORMANCE.md, "Engines"). Alone on the disk, the
 /// fill reads whole chunks: 1 MiB reads one at a time fill slower.
 pub(crate) const BACKGROUND_PIECE: usize = 1 << 20;
-/// Before each such piece, decode ahead waits while others keep reading the disk, looking
-/// again after each pause: an engine importing pages its libraries in by bursts of reads
-/// between stretches of work, and a piece read in those stretches delays none of them
-/// (docs/PERFORMANCE.md, "Changed: decode ahead waits for a quiet disk").
-pub(crate) const YIELD_PAUSE: Duration = Duration::from_millis(10);
-/// The longest wait before a piece: a disk that others never leave still gives decode
-/// ahead a piece this often, and two daemons decoding ahead on one disk do not stop each
-/// other.
-pub(crate) const MAX_YIELD: Duration = Duration::from_millis(100);
 /// How far ahead of the decoder the sealed bytes are asked for.
 const PREFETCH_WINDOW: u64 = 64 << 20;
 const PREFETCH_STEP: u64 = 16 << 20;
@@ -147,7 +138,7 @@ pub struct Input {
     pub fetch_is_dma: Box<RangeFn>,
     /// Whether other processes read the disk that `fetch` of `[off, off + len)` reads
     /// from, since it was last asked: decode ahead then fetches in pieces of
-    /// `BACKGROUND_PIECE`, each once the disk is quiet (within `MAX_YIELD`). `None`:
+    /// `BACKGROUND_PIECE`, each once the disk is quiet (`disk_share::yield_to_others`). `None`:
     /// fetched whole whatever the priority (a source that is not a local disk).
     pub disk_shared: Option<Box<RangeLookFn>>,
     /// Whether the sealed bytes of `[off, off + len)` are in the page cache (a local file):
@@ -757,11 +748,11 @@ impl Inner {
                 if done > 0 {
                     seen = look(done);
                 }
-                let since = Instant::now();
-                while seen == DiskLook::OthersRead && since.elapsed() < MAX_YIELD && ahead() {
-                    std::thread::sleep(YIELD_PAUSE);
-                    seen = look(done);
-                }
+                crate::disk_share::yield_to_others(
+                    seen == DiskLook::OthersRead,
+                    || look(done) == DiskLook::OthersRead,
+                    ahead,
+                );
             }
             let end = if shared && ahead() {
                 (done + BACKGROUND_PIECE).min(buf.len())

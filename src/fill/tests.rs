@@ -685,7 +685,7 @@ fn a_chunk_whose_first_look_finds_others_reading_waits_before_its_first_piece() 
     let at = looked.lock();
     assert!(at.len() >= 2, "{} looks", at.len());
     assert!(
-        at[1] - at[0] >= YIELD_PAUSE,
+        at[1] - at[0] >= crate::disk_share::YIELD_PAUSE,
         "looked again after {:?}",
         at[1] - at[0]
     );

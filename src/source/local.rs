@@ -295,7 +295,7 @@ impl Object for LocalFile {
     /// time, as decode ahead reads a disk: each piece once others have left the disk quiet
     /// (an engine importing reads it too), after at most a short wait.
     fn fetch_ahead(&self, off: u64, len: u64) -> u64 {
-        use crate::fill::{BACKGROUND_PIECE, MAX_YIELD, YIELD_PAUSE};
+        use crate::fill::BACKGROUND_PIECE;
         let Ok(file) = self.file() else {
             return 0;
         };
@@ -305,7 +305,7 @@ impl Object for LocalFile {
         let mut at = off;
         while at < end {
             if let Some(share) = &share {
-                share.wait_quiet(YIELD_PAUSE, MAX_YIELD);
+                share.wait_quiet();
             }
             let n = (end - at).min(piece.len() as u64) as usize;
             if let Err(e) = file.read_exact_at(&mut piece[..n], at) {
