@@ -1,7 +1,8 @@
 //! A bounded LRU of decoded blocks of locked shards.
 //!
 //! Blocks are fixed-size, aligned pieces of a file, so a run of small kernel reads decodes
-//! each block once. Decoding happens outside the lock; two readers that miss the same block
+//! each block once; the kernel's readahead requests ([`DIRECT_MIN`] and more) pass it by.
+//! Decoding happens outside the lock; two readers that miss the same block
 //! at once both decode it, which costs time but never correctness. Evicted blocks are wiped.
 
 use std::num::NonZeroUsize;
