@@ -17,7 +17,7 @@
 //!
 //! Fetch ahead ([`FetchAhead`]) is the same idea through FUSE with nothing to hash: the
 //! shards' sealed bytes are brought in, in that order (remote parts kept until read, local
-//! pages into the page cache).
+//! pages into the page cache), then decoded into the kernel's page cache of the mount.
 
 use std::cmp::Ordering;
 use std::collections::HashSet;
@@ -298,8 +298,22 @@ impl CheckAhead {
 /// read; a local one reads them into the page cache a piece at a time on a quiet disk, as
 /// decode ahead does. Steps of one part, then two, then four, so a reader that opens at
 /// once finds the first part come in alone, as fast as it can.
+///
+/// Given the kernel's page cache of the mount ([`PageCache`]), each step is then decoded on
+/// this thread and stored there, so the engine's reads find the view's pages in the kernel
+/// and reach the daemon no more: through FUSE, the decode ahead of passthrough mode.
 pub struct FetchAhead {
     opened: AtomicBool,
+}
+
+/// The kernel's page cache of the mount's files, which the FUSE adapter fills
+/// (`FUSE_NOTIFY_STORE`): what fetch ahead decodes goes there.
+pub trait PageCache: Send + Sync {
+    /// Have the kernel know file `path` of the view (a lookup through the mount): it keeps
+    /// pages only for files it knows.
+    fn look_up(&self, path: &str) -> std::io::Result<()>;
+    /// Put `bytes`, the view's bytes of file `ino` at `off`, into its page cache.
+    fn store(&self, ino: Ino, off: u64, bytes: &[u8]) -> std::io::Result<()>;
 }
 
 /// The widest step of fetch ahead, in bytes asked for at once (each step waits for its
@@ -307,11 +321,22 @@ pub struct FetchAhead {
 const FETCH_STEP_MAX: u64 = 32 << 20;
 /// Its first step: one default part.
 const FETCH_STEP_FIRST: u64 = 8 << 20;
+/// Bytes decoded at once to store: small enough to decode on this thread alone (a larger
+/// read is spread over the decode pool, which does not run in the background), and at
+/// least a readahead request (so it passes the block cache by).
+const STORE_DECODE: usize = 128 << 10;
+/// Bytes stored in the kernel at once.
+const STORE_PIECE: usize = 1 << 20;
 
 impl FetchAhead {
-    /// Start fetching ahead on a thread of its own, at most `bound` bytes in all; `None` if
-    /// there is no shard or the thread could not start.
-    pub fn start(view: Arc<View>, bound: u64) -> Option<Arc<FetchAhead>> {
+    /// Start fetching ahead on a thread of its own, at most `bound` bytes in all, decoding
+    /// into `page_cache` when there is one; `None` if there is no shard or the thread could
+    /// not start.
+    pub fn start(
+        view: Arc<View>,
+        bound: u64,
+        page_cache: Option<Arc<dyn PageCache>>,
+    ) -> Option<Arc<FetchAhead>> {
         let shards = order(&view);
         if shards.is_empty() {
             return None;
@@ -324,12 +349,21 @@ impl FetchAhead {
             // Nobody waits for it: the engine's own start keeps the CPU.
             // SAFETY: gettid has no preconditions.
             run_in_background(unsafe { libc::gettid() }, true);
-            let objects = shards
-                .into_iter()
-                .filter_map(|ino| view.sealed_object(ino).ok().flatten().cloned());
+            let objects = shards.into_iter().filter_map(|ino| {
+                let object = view.sealed_object(ino).ok().flatten()?.clone();
+                Some((ino, object))
+            });
             let stats = view.stats().clone();
-            let counted = |n| crate::metrics::Stats::add(&stats.bytes_fetched_ahead, n);
-            let total = fetch_in_order(objects, bound, &f.opened, counted);
+            let mut store = page_cache.and_then(|cache| StoreAhead::new(&view, cache));
+            let fetched = |ino, off, len| {
+                crate::metrics::Stats::add(&stats.bytes_fetched_ahead, len);
+                if let Some(s) = store.as_mut() {
+                    if !s.decode_and_store(ino, off, len, &f.opened) {
+                        store = None;
+                    }
+                }
+            };
+            let total = fetch_in_order(objects, bound, &f.opened, fetched);
             log::debug!("fetch ahead: {total} bytes of sealed shards brought in");
         };
         let fetched_on_read = "shards are fetched on their first read";
@@ -345,17 +379,17 @@ impl FetchAhead {
 
 /// Fetch `objects` ahead one after another, from their starts, in growing steps, until
 /// `bound` bytes are in, one takes on less than asked (its source's memory for reading
-/// ahead is full, or it fetches nothing) or `opened` is set; `counted` is told each step's
-/// bytes. How many bytes were fetched.
+/// ahead is full, or it fetches nothing) or `opened` is set; `fetched(ino, off, len)` is
+/// told each step's bytes. How many bytes were fetched.
 fn fetch_in_order(
-    objects: impl Iterator<Item = Arc<dyn Object>>,
+    objects: impl Iterator<Item = (Ino, Arc<dyn Object>)>,
     bound: u64,
     opened: &AtomicBool,
-    counted: impl Fn(u64),
+    mut fetched: impl FnMut(Ino, u64, u64),
 ) -> u64 {
     let mut step = FETCH_STEP_FIRST;
     let mut total = 0;
-    for object in objects {
+    for (ino, object) in objects {
         let mut off = 0;
         while off < object.len() {
             if opened.load(AtomicOrdering::Relaxed) || total >= bound {
@@ -364,7 +398,9 @@ fn fetch_in_order(
             let want = step.min(object.len() - off).min(bound - total);
             let had = object.fetch_ahead(off, want);
             total += had;
-            counted(had);
+            if had > 0 {
+                fetched(ino, off, had);
+            }
             if had < want {
                 return total;
             }
@@ -373,6 +409,71 @@ fn fetch_in_order(
         }
     }
     total
+}
+
+/// Decodes what fetch ahead brought in and stores it in the kernel's page cache.
+struct StoreAhead<'a> {
+    view: &'a View,
+    cache: Arc<dyn PageCache>,
+    /// The file the kernel was last asked to look up.
+    known: Option<Ino>,
+    /// The decoded bytes, in locked memory like every other decoded byte of the daemon's.
+    buf: crate::secmem::SecureBuf,
+}
+
+impl<'a> StoreAhead<'a> {
+    fn new(view: &'a View, cache: Arc<dyn PageCache>) -> Option<StoreAhead<'a>> {
+        match crate::secmem::SecureBuf::new(STORE_PIECE) {
+            Ok(buf) => Some(StoreAhead {
+                view,
+                cache,
+                known: None,
+                buf,
+            }),
+            Err(e) => {
+                log::warn!("fetch ahead decodes nothing ahead (no memory: {e})");
+                None
+            }
+        }
+    }
+
+    /// Decode bytes `[off, off + len)` of file `ino` and store them, until `opened` is set;
+    /// whether to go on (false once the kernel or the decode failed, logged).
+    fn decode_and_store(&mut self, ino: Ino, off: u64, len: u64, opened: &AtomicBool) -> bool {
+        let path = || self.view.path_of(ino);
+        if self.known != Some(ino) {
+            if let Err(e) = self.cache.look_up(&path()) {
+                log::debug!(
+                    "fetch ahead: {} not looked up ({e}); nothing decoded ahead",
+                    path()
+                );
+                return false;
+            }
+            self.known = Some(ino);
+        }
+        let end = off + len;
+        let mut at = off;
+        while at < end && !opened.load(AtomicOrdering::Relaxed) {
+            let n = (end - at).min(STORE_PIECE as u64) as usize;
+            let piece = &mut self.buf[..n];
+            for (i, part) in piece.chunks_mut(STORE_DECODE).enumerate() {
+                if let Err(e) = self
+                    .view
+                    .read_into(ino, at + (i * STORE_DECODE) as u64, part)
+                {
+                    log::debug!("fetch ahead: {} not decoded at {at}: {e}", path());
+                    return false;
+                }
+            }
+            if let Err(e) = self.cache.store(ino, at, piece) {
+                log::debug!("fetch ahead: {} not stored at {at}: {e}", path());
+                return false;
+            }
+            crate::metrics::Stats::add(&self.view.stats().bytes_stored_ahead, n as u64);
+            at += n as u64;
+        }
+        true
+    }
 }
 
 /// The files check ahead hashes: those whose verdict is not in, shards first.
@@ -466,18 +567,20 @@ mod tests {
             let budget = Arc::new(Mutex::new(budget));
             let asked = Arc::new(Mutex::new(Vec::new()));
             let opened = Arc::new(AtomicBool::new(false));
-            let objects: Vec<Arc<dyn Object>> = [100 * M, 20 * M]
+            let objects: Vec<(Ino, Arc<dyn Object>)> = [100 * M, 20 * M]
                 .into_iter()
-                .map(|len| {
-                    Arc::new(Budgeted {
+                .enumerate()
+                .map(|(i, len)| {
+                    let object = Arc::new(Budgeted {
                         len,
                         budget: budget.clone(),
                         asked: asked.clone(),
                         opens_after: opens_after.map(|n| (n, opened.clone())),
-                    }) as Arc<dyn Object>
+                    }) as Arc<dyn Object>;
+                    (i as Ino, object)
                 })
                 .collect();
-            let total = fetch_in_order(objects.into_iter(), bound, &opened, |_| {});
+            let total = fetch_in_order(objects.into_iter(), bound, &opened, |_, _, _| {});
             let asked = asked.lock().clone();
             (total, asked)
         };

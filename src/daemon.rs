@@ -154,11 +154,17 @@ fn start_session(
     let _ = rayon::ThreadPoolBuilder::new()
         .thread_name(|i| format!("kllm-decode-{i}"))
         .build_global();
-    let fs = KllmFs::new(view, mode, settings.copies.clone(), guard).on_destroy(Box::new(|| {
-        log::info!("session ended; exiting");
-        std::process::exit(0)
-    }));
+    // Looked up before mounting: afterwards the path's last step is the mount itself.
+    let mountpoint =
+        std::fs::canonicalize(&settings.mountpoint).unwrap_or_else(|_| settings.mountpoint.clone());
+    let fs = KllmFs::new(view, mode, settings.copies.clone(), guard)
+        .mounted_at(mountpoint)
+        .on_destroy(Box::new(|| {
+            log::info!("session ended; exiting");
+            std::process::exit(0)
+        }));
     let reclaim = fs.reclaim();
+    let notifier = fs.notifier_slot();
     // As root mount(2) as `fuse.kllm-mount` with the sealed path as source, else through
     // fusermount3 (src/kernel_mount.rs).
     let (session, unmounter) =
@@ -170,6 +176,9 @@ fn start_session(
             };
             Error::at(&settings.mountpoint, format!("cannot mount ({e}){hint}"))
         })?;
+    if let Some(slot) = notifier {
+        let _ = slot.set(session.notifier());
+    }
     let ended = events.clone();
     spawn("kllm-session", move || {
         let _ = ended.send(Event::Ended(session.run()));

@@ -1,15 +1,17 @@
 //! The kernel edge: a thin `fuser` adapter that hands every request to the view.
 
 use std::ffi::OsStr;
-use std::sync::Arc;
+use std::path::PathBuf;
+use std::sync::{Arc, OnceLock};
 use std::time::Duration;
 
 use fuser::{
     BackingId, Errno, FileAttr, FileHandle, FileType, Filesystem, FopenFlags, Generation, INodeNo,
-    InitFlags, KernelConfig, LockOwner, OpenAccMode, OpenFlags, ReplyAttr, ReplyData,
+    InitFlags, KernelConfig, LockOwner, Notifier, OpenAccMode, OpenFlags, ReplyAttr, ReplyData,
     ReplyDirectory, ReplyEmpty, ReplyEntry, ReplyOpen, ReplyStatfs, ReplyXattr, Request,
 };
 
+use crate::ahead::PageCache;
 use crate::metrics::Stats;
 use crate::passthrough::{Copies, Opened, Opens, Reclaim, ServeMode};
 use crate::pressure::Guard;
@@ -43,6 +45,37 @@ pub struct KllmFs {
     on_destroy: Option<OnDestroy>,
     /// The kernel maps files opened with `FOPEN_DIRECT_IO` (`FUSE_DIRECT_IO_ALLOW_MMAP`).
     direct_io_mmap: bool,
+    page_cache: Option<Arc<MountPageCache>>,
+}
+
+/// The kernel's page cache of the mount, for fetch ahead to decode into: the mount point
+/// the files are looked up under, and the session's notifier, which fuser makes from the
+/// session only after the session has taken the file system and run INIT (which starts
+/// fetch ahead), so it is set a moment later ([`KllmFs::notifier_slot`]).
+pub struct MountPageCache {
+    mountpoint: PathBuf,
+    notifier: Arc<OnceLock<Notifier>>,
+}
+
+impl PageCache for MountPageCache {
+    /// The lookup is answered once the session runs, which is after its notifier is set.
+    fn look_up(&self, path: &str) -> std::io::Result<()> {
+        std::fs::symlink_metadata(self.mountpoint.join(path))?;
+        match self.notifier.get() {
+            Some(_) => Ok(()),
+            None => Err(std::io::Error::other("the session has no notifier")),
+        }
+    }
+
+    /// `FUSE_NOTIFY_STORE`. A file the kernel has let go of since its lookup takes nothing
+    /// (fuser reports that as done); its reads then come to the daemon as before.
+    fn store(&self, ino: Ino, off: u64, bytes: &[u8]) -> std::io::Result<()> {
+        let notifier = self
+            .notifier
+            .get()
+            .ok_or(std::io::ErrorKind::NotConnected)?;
+        notifier.store(INodeNo(ino), off, bytes)
+    }
 }
 
 impl KllmFs {
@@ -54,7 +87,23 @@ impl KllmFs {
             view,
             on_destroy: None,
             direct_io_mmap: false,
+            page_cache: None,
         }
+    }
+
+    /// Mounted at `mountpoint` (absolute): fetch ahead may decode into the kernel's page
+    /// cache of its files.
+    pub fn mounted_at(mut self, mountpoint: PathBuf) -> KllmFs {
+        self.page_cache = Some(Arc::new(MountPageCache {
+            mountpoint,
+            notifier: Arc::default(),
+        }));
+        self
+    }
+
+    /// Where the session's notifier goes once the session exists (after [`KllmFs::mounted_at`]).
+    pub fn notifier_slot(&self) -> Option<Arc<OnceLock<Notifier>>> {
+        self.page_cache.as_ref().map(|c| c.notifier.clone())
     }
 
     /// What can be given back under memory pressure (src/pressure.rs).
@@ -134,7 +183,8 @@ impl Filesystem for KllmFs {
             );
         }
         mode.log();
-        self.opens.start_background();
+        let page_cache = self.page_cache.clone().map(|c| c as Arc<dyn PageCache>);
+        self.opens.start_background(page_cache);
         Ok(())
     }
 

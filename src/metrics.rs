@@ -121,6 +121,8 @@ counters! {
     remote_bytes_fetched: Counter, "remote_fetched_bytes_total", "Bytes received from the remote source.";
     /// Of the shards' sealed bytes, those brought in ahead of any open (fetch ahead, FUSE mode).
     bytes_fetched_ahead: Counter, "fetched_ahead_bytes_total", "Sealed bytes of shards brought in ahead of any open.";
+    /// Of the shards' view bytes, those decoded into the kernel's page cache ahead of any open (fetch ahead, FUSE mode).
+    bytes_stored_ahead: Counter, "stored_ahead_bytes_total", "Decoded bytes of shards put into the kernel's page cache ahead of any open.";
     /// Parts found whole and intact in the node cache (`--cache-dir`).
     node_cache_hits: Counter, "node_cache_hits_total", "Parts found in the node cache.";
     /// Parts looked for in the node cache and fetched from the source instead.

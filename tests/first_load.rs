@@ -311,15 +311,17 @@ fn pages_cached(path: &Path) -> usize {
 }
 
 /// Through FUSE with nothing to hash first, a local source's shards are read into the page
-/// cache right after mounting (fetch ahead), so an engine that opens them after its imports
-/// waits for no disk; with --no-decode-ahead they are left to their first reads. The bytes
-/// read are exact either way.
+/// cache right after mounting (fetch ahead) and decoded into the kernel's page cache of the
+/// mount, so an engine that opens them after its imports finds every page there: its reads
+/// reach neither the disk nor the daemon. With --no-decode-ahead they are left to their
+/// first reads. The bytes read are exact either way.
 #[test]
-fn fuse_mode_reads_local_shards_into_the_page_cache_ahead_of_their_first_open() {
+fn fuse_mode_decodes_local_shards_into_the_kernels_page_cache_ahead_of_their_first_open() {
     let s = Sample::new(KEY, 256, 4, Some(Version::V2), |_| {});
     let view = s.view();
     let shards = s.sealed_shards();
     let sealed: u64 = shards.iter().map(|(_, len)| len).sum();
+    let decoded: u64 = shards.iter().map(|(rel, _)| view[rel].len() as u64).sum();
     let pages: usize = shards
         .iter()
         .map(|(_, len)| (*len as usize).div_ceil(4096))
@@ -340,9 +342,10 @@ fn fuse_mode_reads_local_shards_into_the_page_cache_ahead_of_their_first_open() 
         }
         let m = s.mount_fuse(&args);
         if ahead {
-            wait_for(30, "every shard read ahead", || {
-                counter(&m, "bytes_fetched_ahead") == sealed
+            wait_for(30, "every shard decoded ahead", || {
+                counter(&m, "bytes_stored_ahead") == decoded
             });
+            assert_eq!(counter(&m, "bytes_fetched_ahead"), sealed);
             assert_eq!(
                 cached(),
                 pages,
@@ -351,15 +354,31 @@ fn fuse_mode_reads_local_shards_into_the_page_cache_ahead_of_their_first_open() 
         } else {
             std::thread::sleep(Duration::from_millis(500));
             assert_eq!(counter(&m, "bytes_fetched_ahead"), 0, "--no-decode-ahead");
+            assert_eq!(counter(&m, "bytes_stored_ahead"), 0, "--no-decode-ahead");
             assert!(
                 cached() < pages / 2,
                 "--no-decode-ahead: {} of {pages} pages cached before any open",
                 cached()
             );
         }
+        let served = counter(&m, "bytes_served");
         for (rel, _) in &shards {
             let got = fs::read(m.path(rel)).unwrap();
             assert!(got == view[rel], "{rel}: not byte-exact (ahead: {ahead})");
+            // And through a mapping, from the same pages.
+            let f = File::open(m.path(rel)).unwrap();
+            // SAFETY: the view is read-only and immutable while mounted.
+            let map = unsafe { memmap2::Mmap::map(&f) }.unwrap();
+            assert!(map[..] == view[rel][..], "{rel}: mapping not byte-exact");
+        }
+        let served = counter(&m, "bytes_served") - served;
+        if ahead {
+            assert_eq!(served, 0, "every byte read from the kernel's page cache");
+        } else {
+            assert!(
+                served >= decoded,
+                "{served} of {decoded} bytes served by the daemon"
+            );
         }
     }
 }

@@ -999,8 +999,9 @@ fn a_mount_reads_only_the_headers_of_its_shards() {
 #[test]
 fn fuse_mode_fetches_the_shards_ahead_of_their_first_open() {
     // Through FUSE with nothing to hash first, a mount fetches its shards' parts right
-    // after mounting (within the memory kept for reading ahead), so an engine that opens
-    // them seconds later reads them without a GET. With --no-decode-ahead it does not.
+    // after mounting (within the memory kept for reading ahead) and decodes them into the
+    // kernel's page cache, so an engine that opens them seconds later reads them without a
+    // GET, and without the daemon. With --no-decode-ahead it does neither.
     let Some(server) = server_with_fixtures() else {
         return;
     };
@@ -1009,6 +1010,7 @@ fn fuse_mode_fetches_the_shards_ahead_of_their_first_open() {
     let view = sample.view();
     let shards = sample.sealed_shards();
     let sealed: u64 = shards.iter().map(|(_, len)| len).sum();
+    let decoded: u64 = shards.iter().map(|(rel, _)| view[rel].len() as u64).sum();
     assert!(shards.len() >= 2, "shards: {shards:?}");
     // One part a shard: with smaller parts the kernel's readahead, whose reads reach the
     // daemon out of order, can have a window fetch a part again that later reads already
@@ -1037,14 +1039,15 @@ fn fuse_mode_fetches_the_shards_ahead_of_their_first_open() {
         m.mount(c);
         let n = |name: &str| status(&m)[name].as_u64().unwrap();
         if ahead {
-            wait_for(30, "every shard fetched ahead", || {
-                n("bytes_fetched_ahead") == sealed
+            wait_for(30, "every shard decoded ahead", || {
+                n("bytes_stored_ahead") == decoded
             });
+            assert_eq!(n("bytes_fetched_ahead"), sealed);
         } else {
             std::thread::sleep(Duration::from_millis(500));
             assert_eq!(n("bytes_fetched_ahead"), 0, "--no-decode-ahead");
         }
-        let gets = n("remote_gets");
+        let (gets, served) = (n("remote_gets"), n("bytes_served"));
         for (rel, _) in &shards {
             let got = fs::read(m.path(rel)).unwrap();
             assert!(got == view[rel], "{rel}: not byte-exact (ahead: {ahead})");
@@ -1052,6 +1055,7 @@ fn fuse_mode_fetches_the_shards_ahead_of_their_first_open() {
         let sent = n("remote_gets") - gets;
         if ahead {
             assert_eq!(sent, 0, "GETs sent for shards fetched ahead");
+            assert_eq!(n("bytes_served"), served, "bytes read through the daemon");
         } else {
             assert!(
                 sent > 0,

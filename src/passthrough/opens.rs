@@ -9,7 +9,7 @@ use std::time::{Duration, Instant};
 use parking_lot::Mutex;
 
 use super::{Backing, OpenMode, OpenPolicy, OpenTable, Opened, ServeMode};
-use crate::ahead::{Ahead, CheckAhead, FetchAhead};
+use crate::ahead::{Ahead, CheckAhead, FetchAhead, PageCache};
 use crate::fill::{Fill, Priority};
 use crate::memfs::{MemoryFile, MemoryFs};
 use crate::pressure::Guard;
@@ -111,14 +111,16 @@ impl<B: Send + Sync + 'static> Opens<B> {
 
     /// Start what runs beside the opens: in passthrough mode the keeper that lets go of
     /// copies whose grace period ended, and decode ahead (src/ahead.rs); through FUSE, check
-    /// ahead. Neither ahead when turned off.
-    pub fn start_background(&self) {
+    /// ahead, or fetch ahead into `page_cache` (the kernel's, of the mount). Neither ahead
+    /// when turned off.
+    pub fn start_background(&self, page_cache: Option<Arc<dyn PageCache>>) {
         if self.mode.passthrough().is_none() {
             if self.copies.decode_ahead {
                 // Under a manifest the files are hashed first, which fetches them.
                 if let Some(check) = CheckAhead::start(self.view.clone()) {
                     let _ = self.check_ahead.set(check);
-                } else if let Some(fetch) = FetchAhead::start(self.view.clone(), self.fetch_bound())
+                } else if let Some(fetch) =
+                    FetchAhead::start(self.view.clone(), self.fetch_bound(), page_cache)
                 {
                     let _ = self.fetch_ahead.set(fetch);
                 }
