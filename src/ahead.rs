@@ -15,9 +15,10 @@
 //! so the files are hashed in the same order right after mounting, in the background, and
 //! an open finds the verdict in instead of waiting for a hash of the whole file.
 //!
-//! Fetch ahead ([`FetchAhead`]) is the same idea through FUSE with nothing to hash: the
-//! shards' sealed bytes are brought in, in that order (remote parts kept until read, local
-//! pages into the page cache), then decoded into the kernel's page cache of the mount.
+//! Fetch ahead ([`FetchAhead`]) is the same idea through FUSE: the shards' sealed bytes are
+//! brought in, in that order (remote parts kept until read, local pages into the page
+//! cache), then decoded into the kernel's page cache of the mount; under a manifest, once
+//! check ahead is done.
 
 use std::cmp::Ordering;
 use std::collections::HashSet;
@@ -224,8 +225,13 @@ impl CheckAhead {
         }
     }
 
-    /// Start checking ahead on a thread of its own; `None` if it could not start.
-    pub fn start(view: Arc<View>) -> Option<Arc<CheckAhead>> {
+    /// Start checking ahead on a thread of its own, then `then` there (fetch ahead, once
+    /// the files' verdicts are in); `None` if there is nothing to check or the thread could
+    /// not start.
+    pub fn start(
+        view: Arc<View>,
+        then: impl FnOnce(&View) + Send + 'static,
+    ) -> Option<Arc<CheckAhead>> {
         let files = check_order(&view);
         if files.is_empty() {
             return None;
@@ -244,6 +250,7 @@ impl CheckAhead {
                 }
             }
             log::debug!("check ahead: done");
+            then(&view);
         };
         let hashed_on_open = "files are hashed on their first open";
         spawn("kllm-check", run, "check ahead", hashed_on_open).then_some(check)
@@ -289,15 +296,16 @@ impl CheckAhead {
     }
 }
 
-/// Fetch ahead: where shards are served through FUSE with nothing to hash first, their
-/// sealed bytes are what an open would wait for. Right after mounting, on a thread in the
-/// background (`SCHED_IDLE`), the shards are brought in from their starts in the order
-/// engines read them, one after another, until a quarter of the memory limit is in, the
-/// source takes on no more, or a shard is opened (from then on the reads themselves fetch).
-/// A remote source keeps them as parts read ahead, within half of `--source-memory`, until
-/// read; a local one reads them into the page cache a piece at a time on a quiet disk, as
-/// decode ahead does. Steps of one part, then two, then four, so a reader that opens at
-/// once finds the first part come in alone, as fast as it can.
+/// Fetch ahead: where shards are served through FUSE, their sealed bytes are what an open
+/// would wait for (under a manifest, once hashed). Right after mounting (under a manifest,
+/// after check ahead), on a thread in the background (`SCHED_IDLE`), the shards are
+/// brought in from their starts in the order engines read them, one after another, until a
+/// quarter of the memory limit is in, the source takes on no more, or a shard is opened
+/// (from then on the reads themselves fetch). A remote source keeps them as parts read
+/// ahead, within half of `--source-memory`, until read; a local one reads them into the
+/// page cache a piece at a time on a quiet disk, as decode ahead does. Steps of one part,
+/// then two, then four, so a reader that opens at once finds the first part come in
+/// alone, as fast as it can.
 ///
 /// Given the kernel's page cache of the mount ([`PageCache`]), each step is then decoded on
 /// this thread and stored there, so the engine's reads find the view's pages in the kernel
@@ -329,45 +337,51 @@ const STORE_DECODE: usize = 128 << 10;
 const STORE_PIECE: usize = 1 << 20;
 
 impl FetchAhead {
-    /// Start fetching ahead on a thread of its own, at most `bound` bytes in all, decoding
-    /// into `page_cache` when there is one; `None` if there is no shard or the thread could
-    /// not start.
+    pub fn new() -> Arc<FetchAhead> {
+        Arc::new(FetchAhead {
+            opened: AtomicBool::new(false),
+        })
+    }
+
+    /// Start fetching ahead on a thread of its own ([`FetchAhead::run`]); whether it
+    /// started (not if there is no shard).
     pub fn start(
+        self: &Arc<Self>,
         view: Arc<View>,
         bound: u64,
         page_cache: Option<Arc<dyn PageCache>>,
-    ) -> Option<Arc<FetchAhead>> {
-        let shards = order(&view);
-        if shards.is_empty() {
-            return None;
+    ) -> bool {
+        if order(&view).is_empty() {
+            return false;
         }
-        let fetch = Arc::new(FetchAhead {
-            opened: AtomicBool::new(false),
-        });
-        let f = fetch.clone();
-        let run = move || {
-            // Nobody waits for it: the engine's own start keeps the CPU.
-            // SAFETY: gettid has no preconditions.
-            run_in_background(unsafe { libc::gettid() }, true);
-            let objects = shards.into_iter().filter_map(|ino| {
-                let object = view.sealed_object(ino).ok().flatten()?.clone();
-                Some((ino, object))
-            });
-            let stats = view.stats().clone();
-            let mut store = page_cache.and_then(|cache| StoreAhead::new(&view, cache));
-            let fetched = |ino, off, len| {
-                crate::metrics::Stats::add(&stats.bytes_fetched_ahead, len);
-                if let Some(s) = store.as_mut() {
-                    if !s.decode_and_store(ino, off, len, &f.opened) {
-                        store = None;
-                    }
-                }
-            };
-            let total = fetch_in_order(objects, bound, &f.opened, fetched);
-            log::debug!("fetch ahead: {total} bytes of sealed shards brought in");
-        };
+        let f = self.clone();
+        let run = move || f.run(&view, bound, page_cache);
         let fetched_on_read = "shards are fetched on their first read";
-        spawn("kllm-fetch-ahead", run, "fetch ahead", fetched_on_read).then_some(fetch)
+        spawn("kllm-fetch-ahead", run, "fetch ahead", fetched_on_read)
+    }
+
+    /// Fetch ahead on this thread, in the background, at most `bound` bytes in all,
+    /// decoding into `page_cache` when there is one.
+    pub fn run(&self, view: &View, bound: u64, page_cache: Option<Arc<dyn PageCache>>) {
+        // Nobody waits for it: the engine's own start keeps the CPU.
+        // SAFETY: gettid has no preconditions.
+        run_in_background(unsafe { libc::gettid() }, true);
+        let objects = order(view).into_iter().filter_map(|ino| {
+            let object = view.sealed_object(ino).ok().flatten()?.clone();
+            Some((ino, object))
+        });
+        let stats = view.stats().clone();
+        let mut store = page_cache.and_then(|cache| StoreAhead::new(view, cache));
+        let fetched = |ino, off, len| {
+            crate::metrics::Stats::add(&stats.bytes_fetched_ahead, len);
+            if let Some(s) = store.as_mut() {
+                if !s.decode_and_store(ino, off, len, &self.opened) {
+                    store = None;
+                }
+            }
+        };
+        let total = fetch_in_order(objects, bound, &self.opened, fetched);
+        log::debug!("fetch ahead: {total} bytes of sealed shards brought in");
     }
 
     /// A shard was opened: its reader's prefetch window fetches from now on, and the memory
@@ -417,6 +431,8 @@ struct StoreAhead<'a> {
     cache: Arc<dyn PageCache>,
     /// The file the kernel was last asked to look up.
     known: Option<Ino>,
+    /// A file whose bytes could not be had (its reads fail the same way): left to them.
+    failed: Option<Ino>,
     /// The decoded bytes, in locked memory like every other decoded byte of the daemon's.
     buf: crate::secmem::SecureBuf,
 }
@@ -428,6 +444,7 @@ impl<'a> StoreAhead<'a> {
                 view,
                 cache,
                 known: None,
+                failed: None,
                 buf,
             }),
             Err(e) => {
@@ -438,9 +455,13 @@ impl<'a> StoreAhead<'a> {
     }
 
     /// Decode bytes `[off, off + len)` of file `ino` and store them, until `opened` is set;
-    /// whether to go on (false once the kernel or the decode failed, logged).
+    /// whether to go on (false once the kernel failed, logged). A file that fails to decode
+    /// (a bad value, a failed check) is skipped.
     fn decode_and_store(&mut self, ino: Ino, off: u64, len: u64, opened: &AtomicBool) -> bool {
         let path = || self.view.path_of(ino);
+        if self.failed == Some(ino) {
+            return true;
+        }
         if self.known != Some(ino) {
             if let Err(e) = self.cache.look_up(&path()) {
                 log::debug!(
@@ -462,7 +483,8 @@ impl<'a> StoreAhead<'a> {
                     .read_into(ino, at + (i * STORE_DECODE) as u64, part)
                 {
                     log::debug!("fetch ahead: {} not decoded at {at}: {e}", path());
-                    return false;
+                    self.failed = Some(ino);
+                    return true;
                 }
             }
             if let Err(e) = self.cache.store(ino, at, piece) {

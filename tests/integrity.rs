@@ -334,9 +334,19 @@ fn a_verified_file_rewritten_later_fails() {
     assert_eq!(errno_of(pread(&f, 0, want.len()), "rewritten"), EIO);
 }
 
+/// Through FUSE the files are checked right after mounting, then the shards decoded into
+/// the kernel's page cache (fetch ahead), so their reads reach the daemon no more; a shard
+/// that fails its check is never decoded ahead.
 #[test]
 fn through_fuse_files_are_checked_ahead_of_their_opens() {
     let s = fixture();
+    let is_shard = |rel: &str| rel.ends_with(".safetensors");
+    let shards: u64 = s
+        .view
+        .iter()
+        .filter(|(rel, _)| is_shard(rel))
+        .map(|(_, v)| v.len() as u64)
+        .sum();
     let m = Mnt::new();
     s.mount(&m, &["--mode", "fuse"]);
     wait_for(20, "every file checked with none opened", || {
@@ -344,9 +354,24 @@ fn through_fuse_files_are_checked_ahead_of_their_opens() {
         assert_eq!(st["opens"], 0, "{st}");
         st["verified_files"] == s.view.len() as u64
     });
+    wait_for(20, "the shards decoded ahead", || {
+        counter(&m, "bytes_stored_ahead") == shards
+    });
+    let served = counter(&m, "bytes_served");
     for (rel, want) in &s.view {
         assert!(&fs::read(m.path(rel)).unwrap() == want, "{rel}");
     }
+    let others: u64 = s
+        .view
+        .iter()
+        .filter(|(rel, _)| !is_shard(rel))
+        .map(|(_, v)| v.len() as u64)
+        .sum();
+    assert_eq!(
+        counter(&m, "bytes_served") - served,
+        others,
+        "only the other files through the daemon"
+    );
     assert_eq!(status(&m)["verified_files"], s.view.len() as u64);
     drop(m);
 
@@ -371,8 +396,11 @@ fn through_fuse_files_are_checked_ahead_of_their_opens() {
         assert_eq!(st["opens"], 0, "{st}");
         st["failed_files"] == 1
     });
-    assert_reads_fail(&m, SHARD, "checked ahead");
     let other = "model-00001-of-00002.safetensors";
+    wait_for(20, "the good shard decoded ahead", || {
+        counter(&m, "bytes_stored_ahead") == s.view[other].len() as u64
+    });
+    assert_reads_fail(&m, SHARD, "checked ahead");
     assert!(fs::read(m.path(other)).unwrap() == s.bytes(other));
 }
 

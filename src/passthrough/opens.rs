@@ -61,8 +61,8 @@ pub struct Opens<B> {
     told: Arc<Mutex<HashSet<Ino>>>,
     /// Through FUSE: the files under a manifest hashed ahead of their opens.
     check_ahead: std::sync::OnceLock<Arc<CheckAhead>>,
-    /// Through FUSE, with nothing to hash: the shards fetched ahead of their opens (remote
-    /// parts kept in memory, local pages in the page cache).
+    /// Through FUSE: the shards fetched ahead of their opens (remote parts kept in memory,
+    /// local pages in the page cache) and decoded into the kernel's page cache.
     fetch_ahead: std::sync::OnceLock<Arc<FetchAhead>>,
 }
 
@@ -116,12 +116,17 @@ impl<B: Send + Sync + 'static> Opens<B> {
     pub fn start_background(&self, page_cache: Option<Arc<dyn PageCache>>) {
         if self.mode.passthrough().is_none() {
             if self.copies.decode_ahead {
-                // Under a manifest the files are hashed first, which fetches them.
-                if let Some(check) = CheckAhead::start(self.view.clone()) {
+                let fetch = FetchAhead::new();
+                let bound = self.fetch_bound();
+                // Under a manifest the files are hashed first (no byte is decoded before its
+                // file's verdict), then fetched ahead on the same thread.
+                let f = fetch.clone();
+                let pc = page_cache.clone();
+                let then = move |view: &View| f.run(view, bound, pc);
+                if let Some(check) = CheckAhead::start(self.view.clone(), then) {
                     let _ = self.check_ahead.set(check);
-                } else if let Some(fetch) =
-                    FetchAhead::start(self.view.clone(), self.fetch_bound(), page_cache)
-                {
+                    let _ = self.fetch_ahead.set(fetch);
+                } else if fetch.start(self.view.clone(), bound, page_cache) {
                     let _ = self.fetch_ahead.set(fetch);
                 }
             }
