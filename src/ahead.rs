@@ -351,22 +351,29 @@ impl FetchAhead {
         bound: u64,
         page_cache: Option<Arc<dyn PageCache>>,
     ) -> bool {
-        if order(&view).is_empty() {
+        let shards = order(&view);
+        if shards.is_empty() {
             return false;
         }
         let f = self.clone();
-        let run = move || f.run(&view, bound, page_cache);
+        let run = move || f.run(&view, shards, bound, page_cache);
         let fetched_on_read = "shards are fetched on their first read";
         spawn("kllm-fetch-ahead", run, "fetch ahead", fetched_on_read)
     }
 
-    /// Fetch ahead on this thread, in the background, at most `bound` bytes in all,
-    /// decoding into `page_cache` when there is one.
-    pub fn run(&self, view: &View, bound: u64, page_cache: Option<Arc<dyn PageCache>>) {
+    /// Fetch `shards` ahead ([`order`]) on this thread, in the background, at most `bound`
+    /// bytes in all, decoding into `page_cache` when there is one.
+    pub fn run(
+        &self,
+        view: &View,
+        shards: Vec<Ino>,
+        bound: u64,
+        page_cache: Option<Arc<dyn PageCache>>,
+    ) {
         // Nobody waits for it: the engine's own start keeps the CPU.
         // SAFETY: gettid has no preconditions.
         run_in_background(unsafe { libc::gettid() }, true);
-        let objects = order(view).into_iter().filter_map(|ino| {
+        let objects = shards.into_iter().filter_map(|ino| {
             let object = view.sealed_object(ino).ok().flatten()?.clone();
             Some((ino, object))
         });

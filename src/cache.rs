@@ -203,13 +203,12 @@ mod tests {
         assert_eq!(BlockCache::block_size_for(3 << 20), 128 << 10);
     }
 
-    /// A sealed shard of one 8 MiB BF16 tensor in memory, and its plain bytes.
+    /// A sealed shard of one 8 MiB BF16 tensor in memory, and its view.
     #[cfg(feature = "seal")]
-    fn sealed_shard() -> (Shard, Vec<u8>, Vec<u8>) {
+    fn sealed_shard() -> (crate::testseal::MemoryShard, Vec<u8>) {
         use crate::key::ModelKey;
         use crate::lock::Version;
-        use crate::testseal::{lock_tensors, safetensors_bytes, sample_bf16, Tensor};
-        let key = ModelKey::new([3; 32]);
+        use crate::testseal::{safetensors_bytes, sample_bf16, MemoryShard, Tensor};
         let mut tensors = vec![Tensor {
             name: "w".into(),
             dtype: safetensors::Dtype::BF16,
@@ -217,52 +216,39 @@ mod tests {
             data: sample_bf16(1, 4 << 20),
         }];
         let plain = safetensors_bytes(&tensors, &Default::default());
-        let doc = lock_tensors(&mut tensors, &key, Version::V2, "", &|_| false)
-            .unwrap()
+        let key = ModelKey::new([3; 32]);
+        let s = MemoryShard::seal(&mut tensors, &key, Version::V2, "", &|_| false).unwrap();
+        let mut view = vec![0u8; s.sealed.len()];
+        s.shard
+            .read(0, &mut view, &|at, buf| s.raw(at, buf))
             .unwrap();
-        let mut md = serde_json::Map::new();
-        md.insert("kllm.lock".into(), serde_json::Value::String(doc));
-        let sealed = safetensors_bytes(&tensors, &md);
-        let n = u64::from_le_bytes(sealed[..8].try_into().unwrap()) as usize;
-        let shard = Shard::from_header(
-            std::path::Path::new("s"),
-            &sealed[8..8 + n],
-            sealed.len() as u64,
-            "",
-            &key,
-        )
-        .unwrap();
-        let mut view = vec![0u8; sealed.len()];
-        let raw = |at: u64, buf: &mut [u8]| -> std::io::Result<()> {
-            buf.copy_from_slice(&sealed[at as usize..at as usize + buf.len()]);
-            Ok(())
-        };
-        shard.read(0, &mut view, &raw).unwrap();
-        assert_eq!(&view[8 + n..], &plain[plain.len() - (4 << 21)..]);
-        (shard, sealed, view)
+        let data = s.shard.data_start as usize;
+        assert_eq!(&view[data..], &plain[plain.len() - (4 << 21)..]);
+        (s, view)
     }
 
     /// Read `reads` (offset, length) of the shard through a cache of 1 MiB blocks, on
-    /// `threads` threads taking every `threads`-th read; checks every byte and returns the
-    /// totals.
+    /// `threads` threads taking every `threads`-th read; checks every byte against `view`
+    /// and returns the totals.
     #[cfg(feature = "seal")]
-    fn read_through(reads: &[(u64, usize)], threads: usize) -> Decoded {
-        let (shard, sealed, view) = sealed_shard();
+    fn read_through(
+        s: &crate::testseal::MemoryShard,
+        view: &[u8],
+        reads: &[(u64, usize)],
+        threads: usize,
+    ) -> Decoded {
         let cache = BlockCache::new(16 << 20, 1 << 20);
-        let raw = |at: u64, buf: &mut [u8]| -> std::io::Result<()> {
-            buf.copy_from_slice(&sealed[at as usize..at as usize + buf.len()]);
-            Ok(())
-        };
-        let per_thread: Vec<Decoded> = std::thread::scope(|s| {
-            let (cache, shard, view, raw) = (&cache, &shard, &view, &raw);
+        let raw = |at: u64, buf: &mut [u8]| s.raw(at, buf);
+        let per_thread: Vec<Decoded> = std::thread::scope(|scope| {
+            let (cache, raw) = (&cache, &raw);
             let handles: Vec<_> = (0..threads)
                 .map(|t| {
-                    s.spawn(move || {
+                    scope.spawn(move || {
                         let mut sum = Decoded::default();
                         for &(off, len) in reads.iter().skip(t).step_by(threads) {
                             let len = len.min(view.len() - off as usize);
                             let mut out = vec![0u8; len];
-                            let d = cache.read_shard(1, shard, off, &mut out, raw).unwrap();
+                            let d = cache.read_shard(1, &s.shard, off, &mut out, raw).unwrap();
                             assert!(out[..] == view[off as usize..][..len], "at {off} (+{len})");
                             sum.hits += d.hits;
                             sum.misses += d.misses;
@@ -287,10 +273,11 @@ mod tests {
     #[cfg(feature = "seal")]
     #[test]
     fn readahead_windows_cutting_blocks_decode_each_byte_once() {
-        let len = sealed_shard().2.len() as u64;
+        let (s, view) = sealed_shard();
+        let len = view.len() as u64;
         let mut reads = vec![(0, 4096)];
         reads.extend((4096..len).step_by(1 << 20).map(|off| (off, 1 << 20)));
-        let d = read_through(&reads, 4);
+        let d = read_through(&s, &view, &reads, 4);
         assert_eq!(
             (d.hits, d.misses),
             (0, 1),
@@ -303,12 +290,12 @@ mod tests {
             .step_by(128 << 10)
             .map(|o| (o, 128 << 10))
             .collect();
-        let d = read_through(&reads, 4);
+        let d = read_through(&s, &view, &reads, 4);
         assert_eq!(d.bytes, len, "{d:?}");
 
         // Small reads in order (a header probe, records): each block decoded once.
         let reads: Vec<_> = (0..len).step_by(48 << 10).map(|o| (o, 48 << 10)).collect();
-        let d = read_through(&reads, 1);
+        let d = read_through(&s, &view, &reads, 1);
         assert_eq!(d.bytes, len, "{d:?}");
         assert!(d.hits > d.misses, "{d:?}");
     }

@@ -135,6 +135,50 @@ pub fn lock_tensors(
     Ok(Some(crate::lock::document::render(version, &entries)))
 }
 
+/// A shard sealed in memory, as the core reads it: the file's bytes and the shard parsed
+/// from its header.
+pub struct MemoryShard {
+    pub sealed: Vec<u8>,
+    pub shard: crate::shard::Shard,
+    /// The lock document in its metadata; `None` when nothing was lockable.
+    pub doc: Option<String>,
+}
+
+impl MemoryShard {
+    /// Lock `tensors` in place ([`lock_tensors`], ids scoped by `shard_dir`) and write them
+    /// as a safetensors file whose metadata carries the lock document (none when nothing was
+    /// lockable).
+    pub fn seal(
+        tensors: &mut [Tensor],
+        key: &ModelKey,
+        version: Version,
+        shard_dir: &str,
+        fp4: &dyn Fn(&str) -> bool,
+    ) -> Result<MemoryShard> {
+        let mut meta = serde_json::Map::new();
+        let doc = lock_tensors(tensors, key, version, shard_dir, fp4)?;
+        if let Some(doc) = &doc {
+            meta.insert(LOCK_META.into(), Value::String(doc.clone()));
+        }
+        let sealed = safetensors_bytes(tensors, &meta);
+        let n = u64::from_le_bytes(sealed[..8].try_into().expect("8 bytes")) as usize;
+        let shard = crate::shard::Shard::from_header(
+            Path::new("memory.safetensors"),
+            &sealed[8..8 + n],
+            sealed.len() as u64,
+            shard_dir,
+            key,
+        )?;
+        Ok(MemoryShard { sealed, shard, doc })
+    }
+
+    /// Reads of the sealed bytes, for [`crate::shard::Shard::read`].
+    pub fn raw(&self, at: u64, buf: &mut [u8]) -> std::io::Result<()> {
+        buf.copy_from_slice(&self.sealed[at as usize..at as usize + buf.len()]);
+        Ok(())
+    }
+}
+
 /// Lock one shard file in place.
 pub fn lock_file(
     path: &Path,

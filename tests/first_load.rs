@@ -287,26 +287,19 @@ fn a_sealed_shards_page_cache_goes_once_its_copy_holds_it() {
 
 /// How many of `path`'s pages are in the page cache.
 fn pages_cached(path: &Path) -> usize {
-    use std::os::fd::AsRawFd;
     let f = File::open(path).unwrap();
-    let len = f.metadata().unwrap().len() as usize;
-    let page = 4096;
-    let mut vec = vec![0u8; len.div_ceil(page)];
-    // SAFETY: a private read-only mapping of a file we hold, looked at by mincore only, and
-    // unmapped before return.
-    unsafe {
-        let p = libc::mmap(
-            std::ptr::null_mut(),
-            len,
-            libc::PROT_READ,
-            libc::MAP_SHARED,
-            f.as_raw_fd(),
-            0,
-        );
-        assert_ne!(p, libc::MAP_FAILED);
-        assert_eq!(libc::mincore(p, len, vec.as_mut_ptr()), 0);
-        libc::munmap(p, len);
-    }
+    // SAFETY: a read-only mapping of a file we hold, looked at by mincore only.
+    let map = unsafe { memmap2::Mmap::map(&f) }.unwrap();
+    let mut vec = vec![0u8; map.len().div_ceil(4096)];
+    // SAFETY: `vec` has a byte for each page of the mapping.
+    let rc = unsafe {
+        libc::mincore(
+            map.as_ptr() as *mut libc::c_void,
+            map.len(),
+            vec.as_mut_ptr(),
+        )
+    };
+    assert_eq!(rc, 0);
     vec.iter().filter(|&&b| b & 1 == 1).count()
 }
 

@@ -4,11 +4,9 @@
 
 use kllm_mount::key::ModelKey;
 use kllm_mount::lock::{Codec, Version};
-use kllm_mount::shard::Shard;
-use kllm_mount::testseal::{lock_tensors, safetensors_bytes, Tensor};
+use kllm_mount::testseal::{lock_tensors, safetensors_bytes, MemoryShard, Tensor};
 use proptest::prelude::*;
 use safetensors::Dtype;
-use std::path::Path;
 
 const DTYPES: [Dtype; 11] = [
     Dtype::BF16,
@@ -114,19 +112,11 @@ proptest! {
         let plain_file = safetensors_bytes(&c.tensors, &Default::default());
         let mut locked = c.tensors.clone();
         let fp4 = |name: &str| c.fp4 && name.ends_with(".weight");
-        let doc = lock_tensors(&mut locked, &key, c.version, "comp", &fp4).unwrap();
-        let mut md = serde_json::Map::new();
-        if let Some(doc) = &doc {
-            md.insert("kllm.lock".into(), serde_json::Value::String(doc.clone()));
-        }
-        let sealed = safetensors_bytes(&locked, &md);
-        let n = u64::from_le_bytes(sealed[..8].try_into().unwrap()) as usize;
-        let shard = Shard::from_header(Path::new("p.safetensors"), &sealed[8..8 + n], sealed.len() as u64, "comp", &key).unwrap();
-        prop_assert_eq!(shard.is_locked(), doc.is_some());
-        let raw = |at: u64, buf: &mut [u8]| -> std::io::Result<()> {
-            buf.copy_from_slice(&sealed[at as usize..at as usize + buf.len()]);
-            Ok(())
-        };
+        let m = MemoryShard::seal(&mut locked, &key, c.version, "comp", &fp4).unwrap();
+        let (sealed, shard) = (&m.sealed, &m.shard);
+        prop_assert_eq!(shard.is_locked(), m.doc.is_some());
+        let n = shard.data_start as usize - 8;
+        let raw = |at: u64, buf: &mut [u8]| m.raw(at, buf);
         // The whole view: data identical to the plain tensors (lock then unlock = identity).
         let mut whole = vec![0u8; sealed.len()];
         shard.read(0, &mut whole, &raw).unwrap();
@@ -187,26 +177,12 @@ fn large_reads_decoded_on_several_threads_equal_the_plain_bytes() {
         },
     ];
     let plain = safetensors_bytes(&tensors, &Default::default());
-    let doc = lock_tensors(&mut tensors, &key, Version::V2, "", &|_| false)
-        .unwrap()
-        .unwrap();
-    let mut md = serde_json::Map::new();
-    md.insert("kllm.lock".into(), serde_json::Value::String(doc));
-    let sealed = safetensors_bytes(&tensors, &md);
-    let n = u64::from_le_bytes(sealed[..8].try_into().unwrap()) as usize;
+    let m = MemoryShard::seal(&mut tensors, &key, Version::V2, "", &|_| false).unwrap();
+    assert!(m.doc.is_some());
+    let (sealed, shard) = (&m.sealed, &m.shard);
+    let n = shard.data_start as usize - 8;
     let pn = u64::from_le_bytes(plain[..8].try_into().unwrap()) as usize;
-    let shard = Shard::from_header(
-        Path::new("p"),
-        &sealed[8..8 + n],
-        sealed.len() as u64,
-        "",
-        &key,
-    )
-    .unwrap();
-    let raw = |at: u64, buf: &mut [u8]| -> std::io::Result<()> {
-        buf.copy_from_slice(&sealed[at as usize..at as usize + buf.len()]);
-        Ok(())
-    };
+    let raw = |at: u64, buf: &mut [u8]| m.raw(at, buf);
     let mut whole = vec![0u8; sealed.len() - 8 - n];
     shard.read(8 + n as u64, &mut whole, &raw).unwrap();
     assert!(whole == plain[8 + pn..], "whole data differs");

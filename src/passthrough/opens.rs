@@ -122,7 +122,7 @@ impl<B: Send + Sync + 'static> Opens<B> {
                 // file's verdict), then fetched ahead on the same thread.
                 let f = fetch.clone();
                 let pc = page_cache.clone();
-                let then = move |view: &View| f.run(view, bound, pc);
+                let then = move |view: &View| f.run(view, crate::ahead::order(view), bound, pc);
                 if let Some(check) = CheckAhead::start(self.view.clone(), then) {
                     let _ = self.check_ahead.set(check);
                     let _ = self.fetch_ahead.set(fetch);
