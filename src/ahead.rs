@@ -17,8 +17,8 @@
 //!
 //! Fetch ahead ([`FetchAhead`]) is the same idea through FUSE: the shards' sealed bytes are
 //! brought in, in that order (remote parts kept until read, local pages into the page
-//! cache), then decoded into the kernel's page cache of the mount; under a manifest, once
-//! check ahead is done.
+//! cache), and decoded into the kernel's page cache of the mount on a second thread beside
+//! the next fetch; under a manifest, each shard right after its check.
 
 use std::cmp::Ordering;
 use std::collections::HashSet;
@@ -196,13 +196,15 @@ fn run(view: &View, budget: impl Fn() -> Option<u64>, decode: impl Fn(Ino, usize
     log::debug!("decode ahead: done");
 }
 
-/// Check ahead: the files under a manifest hashed right after mounting, in the order
-/// engines read them (the shards as [`order`] gives them, then any other file by path), one
-/// at a time on a thread of its own in the background (`SCHED_IDLE`). Through FUSE an open
-/// of such a file waits for its verdict: hashed ahead, it finds the verdict in, or its hash
-/// under way and urged to the normal policy (a hash one waits for must not run only on idle
-/// cycles). A local file's sealed bytes are then in the page cache for the reads that
-/// follow.
+/// Check ahead: the files under a manifest hashed right after mounting, one at a time on a
+/// thread of its own in the background (`SCHED_IDLE`): first the files other than shards
+/// (small, and what engines open first: config, tokenizer, index), then each shard in the
+/// order engines load them ([`order`]), each followed at once by its fetch ahead
+/// ([`ShardWalk`]), so the first shard is decoded into the kernel while the next is hashed.
+/// Through FUSE an open of such a file waits for its verdict: hashed ahead, it finds the
+/// verdict in, or its hash under way and urged to the normal policy (a hash one waits for
+/// must not run only on idle cycles). A local file's sealed bytes are then in the page
+/// cache for the reads that follow.
 pub struct CheckAhead {
     state: Mutex<Checking>,
 }
@@ -225,15 +227,16 @@ impl CheckAhead {
         }
     }
 
-    /// Start checking ahead on a thread of its own, then `then` there (fetch ahead, once
-    /// the files' verdicts are in); `None` if there is nothing to check or the thread could
-    /// not start.
+    /// Start checking ahead on a thread of its own, `shards` in that order ([`order`]), each
+    /// fetched ahead right after its verdict when `fetch` is given; `None` if there is
+    /// nothing to check or the thread could not start.
     pub fn start(
         view: Arc<View>,
-        then: impl FnOnce(&View) + Send + 'static,
+        shards: Vec<Ino>,
+        fetch: Option<FetchPlan>,
     ) -> Option<Arc<CheckAhead>> {
-        let files = check_order(&view);
-        if files.is_empty() {
+        let others = others_to_check(&view, &shards);
+        if others.is_empty() && !shards.iter().any(|&ino| view.awaits_verdict(ino)) {
             return None;
         }
         let check = Arc::new(CheckAhead::new());
@@ -241,16 +244,30 @@ impl CheckAhead {
         let run = move || {
             // SAFETY: gettid has no preconditions.
             c.state.lock().tid = Some(unsafe { libc::gettid() });
-            log::debug!("check ahead: {} files", files.len());
-            for ino in files {
-                if c.claim(ino) {
+            log::debug!(
+                "check ahead: {} files, then {} shards",
+                others.len(),
+                shards.len()
+            );
+            let check = |ino: Ino| {
+                if view.awaits_verdict(ino) && c.claim(ino) {
                     // A mismatch is logged by the verdict itself; its opens fail.
                     let _ = view.verify(ino);
                     c.done();
+                    log::debug!("check ahead: {} checked", view.path_of(ino));
+                }
+            };
+            others.into_iter().for_each(check);
+            let mut walk = fetch.map(|plan| plan.walk(&view));
+            for &ino in &shards {
+                check(ino);
+                if let Some(w) = walk.as_mut() {
+                    if !w.shard(&view, ino) {
+                        walk = None;
+                    }
                 }
             }
             log::debug!("check ahead: done");
-            then(&view);
         };
         let hashed_on_open = "files are hashed on their first open";
         spawn("kllm-check", run, "check ahead", hashed_on_open).then_some(check)
@@ -275,6 +292,10 @@ impl CheckAhead {
         let mut s = self.state.lock();
         s.current = None;
         s.urged = false;
+        // The fetch that follows runs in the background whatever urged the hash.
+        if let Some(tid) = s.tid {
+            run_in_background(tid, true);
+        }
     }
 
     /// An open is about to wait for file `ino`'s verdict: a hash of it under way ahead is
@@ -296,22 +317,44 @@ impl CheckAhead {
     }
 }
 
+/// The files other than `shards` whose verdict is not in: check ahead hashes them first.
+fn others_to_check(view: &View, shards: &[Ino]) -> Vec<Ino> {
+    view.file_paths()
+        .into_iter()
+        .map(|(_, ino)| ino)
+        .filter(|ino| !shards.contains(ino) && view.awaits_verdict(*ino))
+        .collect()
+}
+
+/// Whether anything in the view awaits its verdict (a manifest lists it, unchecked yet).
+pub fn awaits_any_verdict(view: &View) -> bool {
+    view.file_paths()
+        .iter()
+        .any(|&(_, ino)| view.awaits_verdict(ino))
+}
+
 /// Fetch ahead: where shards are served through FUSE, their sealed bytes are what an open
 /// would wait for (under a manifest, once hashed). Right after mounting (under a manifest,
-/// after check ahead), on a thread in the background (`SCHED_IDLE`), the shards are
-/// brought in from their starts in the order engines read them, one after another, until a
-/// quarter of the memory limit is in, the source takes on no more, or a shard is opened
-/// (from then on the reads themselves fetch). A remote source keeps them as parts read
-/// ahead, within half of `--source-memory`, until read; a local one reads them into the
-/// page cache a piece at a time on a quiet disk, as decode ahead does. Steps of one part,
-/// then two, then four, so a reader that opens at once finds the first part come in
-/// alone, as fast as it can.
+/// each shard right after its check), on a thread in the background (`SCHED_IDLE`), the
+/// shards are brought in from their starts in the order engines read them, one after
+/// another, until a quarter of the memory limit is in or the source takes on no more. A
+/// remote source keeps them as parts read ahead, within half of `--source-memory`, until
+/// read; a local one reads them into the page cache a piece at a time on a quiet disk, as
+/// decode ahead does. Steps of one part, then two, then four, so a reader that opens at
+/// once finds the first part come in alone, as fast as it can.
 ///
-/// Given the kernel's page cache of the mount ([`PageCache`]), each step is then decoded on
-/// this thread and stored there, so the engine's reads find the view's pages in the kernel
-/// and reach the daemon no more: through FUSE, the decode ahead of passthrough mode.
+/// Given the kernel's page cache of the mount ([`PageCache`]), each step is then decoded
+/// and stored there on a second background thread, beside the next step's fetch (and the
+/// next shard's hash), so the engine's reads find the view's pages in the kernel and reach
+/// the daemon no more: through FUSE, the decode ahead of passthrough mode. A shard opened
+/// is then left to its reads, and fetch ahead goes on with the next: an engine reads one
+/// shard while the next is decoded. Where nothing is stored, the first open of a shard ends
+/// fetch ahead: the parts it would keep are the memory a reader's window fills.
 pub struct FetchAhead {
-    opened: AtomicBool,
+    /// Set at the first open of any shard.
+    any_opened: AtomicBool,
+    /// The shards opened so far.
+    opened: Mutex<HashSet<Ino>>,
 }
 
 /// The kernel's page cache of the mount's files, which the FUSE adapter fills
@@ -329,107 +372,333 @@ pub trait PageCache: Send + Sync {
 const FETCH_STEP_MAX: u64 = 32 << 20;
 /// Its first step: one default part.
 const FETCH_STEP_FIRST: u64 = 8 << 20;
-/// Bytes decoded at once to store: small enough to decode on this thread alone (a larger
-/// read is spread over the decode pool, which does not run in the background), and at
-/// least a readahead request (so it passes the block cache by).
+/// Bytes decoded at once to store: small enough to decode on the store thread alone (a
+/// larger read is spread over the decode pool, which does not run in the background), and
+/// at least a readahead request (so it passes the block cache by).
 const STORE_DECODE: usize = 128 << 10;
 /// Bytes stored in the kernel at once.
 const STORE_PIECE: usize = 1 << 20;
+/// The most sealed bytes held in the daemon's memory (a remote source's parts) that were
+/// handed to the store thread and not stored yet: the fetch waits beyond it.
+const HANDED_HELD_MAX: u64 = 64 << 20;
 
 impl FetchAhead {
     pub fn new() -> Arc<FetchAhead> {
         Arc::new(FetchAhead {
-            opened: AtomicBool::new(false),
+            any_opened: AtomicBool::new(false),
+            opened: Mutex::new(HashSet::new()),
         })
     }
 
-    /// Start fetching ahead on a thread of its own ([`FetchAhead::run`]); whether it
-    /// started (not if there is no shard).
-    pub fn start(
-        self: &Arc<Self>,
-        view: Arc<View>,
-        bound: u64,
-        page_cache: Option<Arc<dyn PageCache>>,
-    ) -> bool {
-        let shards = order(&view);
+    /// Start fetching ahead `shards` ([`order`]) on a thread of its own; whether it started
+    /// (not if there is no shard).
+    pub fn start(self: &Arc<Self>, view: Arc<View>, shards: Vec<Ino>, plan: FetchPlan) -> bool {
         if shards.is_empty() {
             return false;
         }
-        let f = self.clone();
-        let run = move || f.run(&view, shards, bound, page_cache);
+        let run = move || {
+            let mut walk = plan.walk(&view);
+            for ino in shards {
+                if !walk.shard(&view, ino) {
+                    break;
+                }
+            }
+        };
         let fetched_on_read = "shards are fetched on their first read";
         spawn("kllm-fetch-ahead", run, "fetch ahead", fetched_on_read)
     }
 
-    /// Fetch `shards` ahead ([`order`]) on this thread, in the background, at most `bound`
-    /// bytes in all, decoding into `page_cache` when there is one.
-    pub fn run(
-        &self,
-        view: &View,
-        shards: Vec<Ino>,
-        bound: u64,
-        page_cache: Option<Arc<dyn PageCache>>,
-    ) {
-        // Nobody waits for it: the engine's own start keeps the CPU.
-        // SAFETY: gettid has no preconditions.
-        run_in_background(unsafe { libc::gettid() }, true);
-        let objects = shards.into_iter().filter_map(|ino| {
-            let object = view.sealed_object(ino).ok().flatten()?.clone();
-            Some((ino, object))
-        });
-        let stats = view.stats().clone();
-        let mut store = page_cache.and_then(|cache| StoreAhead::new(view, cache));
-        let fetched = |ino, off, len| {
-            crate::metrics::Stats::add(&stats.bytes_fetched_ahead, len);
-            if let Some(s) = store.as_mut() {
-                if !s.decode_and_store(ino, off, len, &self.opened) {
-                    store = None;
-                }
-            }
-        };
-        let total = fetch_in_order(objects, bound, &self.opened, fetched);
-        log::debug!("fetch ahead: {total} bytes of sealed shards brought in");
+    /// Shard `ino` was opened: its reads fetch (and decode) it from now on.
+    pub fn opened(&self, ino: Ino) {
+        self.opened.lock().insert(ino);
+        self.any_opened.store(true, AtomicOrdering::Relaxed);
     }
 
-    /// A shard was opened: its reader's prefetch window fetches from now on, and the memory
-    /// for reading ahead is left to it.
-    pub fn opened(&self) {
-        self.opened.store(true, AtomicOrdering::Relaxed);
+    fn is_opened(&self, ino: Ino) -> bool {
+        self.opened.lock().contains(&ino)
     }
 }
 
-/// Fetch `objects` ahead one after another, from their starts, in growing steps, until
-/// `bound` bytes are in, one takes on less than asked (its source's memory for reading
-/// ahead is full, or it fetches nothing) or `opened` is set; `fetched(ino, off, len)` is
-/// told each step's bytes. How many bytes were fetched.
-fn fetch_in_order(
-    objects: impl Iterator<Item = (Ino, Arc<dyn Object>)>,
+/// What fetch ahead is to do: where its bytes go and how many it may bring in.
+pub struct FetchPlan {
+    pub ahead: Arc<FetchAhead>,
+    /// The most bytes brought in, all shards together.
+    pub bound: u64,
+    /// The kernel's page cache of the mount, if steps are decoded into it.
+    pub page_cache: Option<Arc<dyn PageCache>>,
+}
+
+impl FetchPlan {
+    /// Begin the walk over the shards on the calling thread, which goes to the background;
+    /// the store thread, if any, starts here.
+    fn walk(self, view: &Arc<View>) -> ShardWalk<Storing> {
+        // Nobody waits for it: the engine's own start keeps the CPU.
+        // SAFETY: gettid has no preconditions.
+        run_in_background(unsafe { libc::gettid() }, true);
+        let sink = Storing::start(view, self.page_cache, self.ahead.clone());
+        ShardWalk::new(self.ahead, self.bound, sink)
+    }
+}
+
+/// Where fetch ahead's steps go.
+trait Steps {
+    /// Whether they are stored in the kernel (opened shards are then skipped, not the end).
+    fn stores(&self) -> bool;
+    /// Bytes `[off, off + len)` of shard `ino` are in; `held`: in the daemon's memory.
+    fn fetched(&mut self, ino: Ino, off: u64, len: u64, held: bool);
+    /// Wait until every step handed on was stored; whether any was waiting.
+    fn drain(&mut self) -> bool;
+}
+
+/// Fetch ahead's walk over the shards, one after another: the ramp of its steps and the
+/// bytes brought in so far carry from one shard to the next.
+struct ShardWalk<S> {
+    ahead: Arc<FetchAhead>,
     bound: u64,
-    opened: &AtomicBool,
-    mut fetched: impl FnMut(Ino, u64, u64),
-) -> u64 {
-    let mut step = FETCH_STEP_FIRST;
-    let mut total = 0;
-    for (ino, object) in objects {
-        let mut off = 0;
-        while off < object.len() {
-            if opened.load(AtomicOrdering::Relaxed) || total >= bound {
-                return total;
-            }
-            let want = step.min(object.len() - off).min(bound - total);
-            let had = object.fetch_ahead(off, want);
-            total += had;
-            if had > 0 {
-                fetched(ino, off, had);
-            }
-            if had < want {
-                return total;
-            }
-            off += want;
-            step = (2 * step).min(FETCH_STEP_MAX);
+    step: u64,
+    total: u64,
+    steps: S,
+}
+
+impl<S: Steps> ShardWalk<S> {
+    fn new(ahead: Arc<FetchAhead>, bound: u64, steps: S) -> ShardWalk<S> {
+        ShardWalk {
+            ahead,
+            bound,
+            step: FETCH_STEP_FIRST,
+            total: 0,
+            steps,
         }
     }
-    total
+
+    /// Fetch shard `ino` ahead; whether to go on with the next.
+    fn shard(&mut self, view: &View, ino: Ino) -> bool {
+        match view.sealed_object(ino) {
+            Ok(Some(object)) => {
+                let object = object.clone();
+                log::debug!("fetch ahead: {} begins", view.path_of(ino));
+                self.object(ino, &*object)
+            }
+            _ => true,
+        }
+    }
+
+    /// Fetch `object`, shard `ino`, from its start in growing steps, until the bound is
+    /// reached, the source takes on less than asked (its memory for reading ahead is full,
+    /// even once the steps handed on were stored), or the shard is opened (where steps
+    /// are stored; any shard, where not); whether to go on with the next.
+    fn object(&mut self, ino: Ino, object: &dyn Object) -> bool {
+        let held = !matches!(object.local_file(), Ok(Some(_)));
+        let mut off = 0;
+        while off < object.len() {
+            if self.total >= self.bound {
+                return false;
+            }
+            if self.steps.stores() {
+                if self.ahead.is_opened(ino) {
+                    return true;
+                }
+            } else if self.ahead.any_opened.load(AtomicOrdering::Relaxed) {
+                return false;
+            }
+            let want = self
+                .step
+                .min(object.len() - off)
+                .min(self.bound - self.total);
+            let mut had = object.fetch_ahead(off, want);
+            if had < want && self.steps.drain() {
+                had += object.fetch_ahead(off + had, want - had);
+            }
+            self.total += had;
+            if had > 0 {
+                self.steps.fetched(ino, off, had, held);
+            }
+            if had < want {
+                log::debug!("fetch ahead: {} bytes of sealed shards in", self.total);
+                return false;
+            }
+            off += want;
+            self.step = (2 * self.step).min(FETCH_STEP_MAX);
+        }
+        true
+    }
+}
+
+impl<S> Drop for ShardWalk<S> {
+    fn drop(&mut self) {
+        log::debug!("fetch ahead: done, {} bytes brought in", self.total);
+    }
+}
+
+/// Fetch ahead's steps counted, and handed to the store thread when there is one.
+struct Storing {
+    stats: Arc<crate::metrics::Stats>,
+    handoff: Option<Arc<Handoff>>,
+}
+
+impl Storing {
+    fn start(
+        view: &Arc<View>,
+        page_cache: Option<Arc<dyn PageCache>>,
+        ahead: Arc<FetchAhead>,
+    ) -> Storing {
+        let stats = view.stats().clone();
+        let Some(cache) = page_cache else {
+            return Storing {
+                stats,
+                handoff: None,
+            };
+        };
+        let handoff = Arc::new(Handoff::default());
+        let (h, view) = (handoff.clone(), view.clone());
+        let run = move || {
+            // SAFETY: gettid has no preconditions.
+            run_in_background(unsafe { libc::gettid() }, true);
+            let Some(mut store) = StoreAhead::new(&view, cache) else {
+                h.end();
+                return;
+            };
+            while let Some((ino, off, len)) = h.next() {
+                let went_on = store.decode_and_store(ino, off, len, &ahead);
+                h.stored(len);
+                if !went_on {
+                    h.end();
+                    return;
+                }
+            }
+        };
+        let started = spawn(
+            "kllm-store-ahead",
+            run,
+            "decode ahead through FUSE",
+            "shards are decoded on their reads",
+        );
+        Storing {
+            stats,
+            handoff: started.then_some(handoff),
+        }
+    }
+}
+
+impl Steps for Storing {
+    fn stores(&self) -> bool {
+        self.handoff.as_ref().is_some_and(|h| !h.ended())
+    }
+
+    fn fetched(&mut self, ino: Ino, off: u64, len: u64, held: bool) {
+        crate::metrics::Stats::add(&self.stats.bytes_fetched_ahead, len);
+        if let Some(h) = &self.handoff {
+            h.hand(ino, off, len, held);
+        }
+    }
+
+    fn drain(&mut self) -> bool {
+        self.handoff.as_ref().is_some_and(|h| h.drain())
+    }
+}
+
+impl Drop for Storing {
+    fn drop(&mut self) {
+        if let Some(h) = &self.handoff {
+            h.close();
+        }
+    }
+}
+
+/// The steps fetched and not stored yet, from the fetch thread to the store thread.
+#[derive(Default)]
+struct Handoff {
+    state: Mutex<Handed>,
+    changed: parking_lot::Condvar,
+}
+
+#[derive(Default)]
+struct Handed {
+    steps: std::collections::VecDeque<(Ino, u64, u64)>,
+    /// Bytes handed on and not stored yet, and of those, the ones held in memory.
+    pending: u64,
+    held: u64,
+    /// Of the steps queued, which are held (parallel to `steps`).
+    held_steps: std::collections::VecDeque<bool>,
+    /// No more steps will come.
+    closed: bool,
+    /// The store thread is gone (the kernel refused a store).
+    ended: bool,
+}
+
+impl Handoff {
+    /// Queue a step; a step held in memory first waits while [`HANDED_HELD_MAX`] held bytes
+    /// are not stored.
+    fn hand(&self, ino: Ino, off: u64, len: u64, held: bool) {
+        let mut s = self.state.lock();
+        while held && s.held >= HANDED_HELD_MAX && !s.ended {
+            self.changed.wait(&mut s);
+        }
+        if s.ended {
+            return;
+        }
+        s.steps.push_back((ino, off, len));
+        s.held_steps.push_back(held);
+        s.pending += len;
+        if held {
+            s.held += len;
+        }
+        self.changed.notify_all();
+    }
+
+    /// The next step to store, once there is one; `None` once closed and empty.
+    fn next(&self) -> Option<(Ino, u64, u64)> {
+        let mut s = self.state.lock();
+        loop {
+            if let Some(step) = s.steps.front().copied() {
+                return Some(step);
+            }
+            if s.closed {
+                return None;
+            }
+            self.changed.wait(&mut s);
+        }
+    }
+
+    /// The step [`Handoff::next`] gave, of `len` bytes, was stored (or left).
+    fn stored(&self, len: u64) {
+        let mut s = self.state.lock();
+        s.steps.pop_front();
+        if s.held_steps.pop_front() == Some(true) {
+            s.held -= len;
+        }
+        s.pending -= len;
+        self.changed.notify_all();
+    }
+
+    /// Wait until nothing handed on is left to store; whether anything was.
+    fn drain(&self) -> bool {
+        let mut s = self.state.lock();
+        let waited = s.pending > 0;
+        while s.pending > 0 && !s.ended {
+            self.changed.wait(&mut s);
+        }
+        waited
+    }
+
+    fn close(&self) {
+        self.state.lock().closed = true;
+        self.changed.notify_all();
+    }
+
+    fn end(&self) {
+        let mut s = self.state.lock();
+        s.ended = true;
+        s.steps.clear();
+        s.held_steps.clear();
+        s.pending = 0;
+        s.held = 0;
+        self.changed.notify_all();
+    }
+
+    fn ended(&self) -> bool {
+        self.state.lock().ended
+    }
 }
 
 /// Decodes what fetch ahead brought in and stores it in the kernel's page cache.
@@ -461,10 +730,10 @@ impl<'a> StoreAhead<'a> {
         }
     }
 
-    /// Decode bytes `[off, off + len)` of file `ino` and store them, until `opened` is set;
-    /// whether to go on (false once the kernel failed, logged). A file that fails to decode
-    /// (a bad value, a failed check) is skipped.
-    fn decode_and_store(&mut self, ino: Ino, off: u64, len: u64, opened: &AtomicBool) -> bool {
+    /// Decode bytes `[off, off + len)` of file `ino` and store them, until the file is
+    /// opened; whether to go on (false once the kernel failed, logged). A file that fails
+    /// to decode (a bad value, a failed check) is skipped.
+    fn decode_and_store(&mut self, ino: Ino, off: u64, len: u64, ahead: &FetchAhead) -> bool {
         let path = || self.view.path_of(ino);
         if self.failed == Some(ino) {
             return true;
@@ -481,7 +750,7 @@ impl<'a> StoreAhead<'a> {
         }
         let end = off + len;
         let mut at = off;
-        while at < end && !opened.load(AtomicOrdering::Relaxed) {
+        while at < end && !ahead.is_opened(ino) {
             let n = (end - at).min(STORE_PIECE as u64) as usize;
             let piece = &mut self.buf[..n];
             for (i, part) in piece.chunks_mut(STORE_DECODE).enumerate() {
@@ -501,26 +770,11 @@ impl<'a> StoreAhead<'a> {
             crate::metrics::Stats::add(&self.view.stats().bytes_stored_ahead, n as u64);
             at += n as u64;
         }
+        if at >= end {
+            log::debug!("store ahead: {} stored to {end}", path());
+        }
         true
     }
-}
-
-/// The files check ahead hashes: those whose verdict is not in, shards first.
-fn check_order(view: &View) -> Vec<Ino> {
-    let paths = view.file_paths();
-    if !paths.iter().any(|&(_, ino)| view.awaits_verdict(ino)) {
-        // Nothing to hash: not even the index is read (a GET on a remote source).
-        return Vec::new();
-    }
-    let mut files = order(view);
-    let rest: Vec<Ino> = paths
-        .into_iter()
-        .map(|(_, ino)| ino)
-        .filter(|ino| !files.contains(ino))
-        .collect();
-    files.extend(rest);
-    files.retain(|&ino| view.awaits_verdict(ino));
-    files
 }
 
 #[cfg(test)]
@@ -551,12 +805,14 @@ mod tests {
         assert!(!c.before_verdict(4), "a file done: its verdict is in");
     }
 
-    /// An object that takes on what it is asked for while its budget lasts, noting each ask.
+    /// An object that takes on what it is asked for while its budget lasts, noting each ask;
+    /// after `opens_after` asks in all, shard `ino` is opened.
     struct Budgeted {
+        ino: Ino,
         len: u64,
         budget: Arc<Mutex<u64>>,
         asked: Arc<Mutex<Vec<(u64, u64, u64)>>>,
-        opens_after: Option<(usize, Arc<AtomicBool>)>,
+        opens_after: Option<(usize, Arc<FetchAhead>)>,
     }
 
     impl Object for Budgeted {
@@ -569,9 +825,9 @@ mod tests {
         fn fetch_ahead(&self, off: u64, len: u64) -> u64 {
             let mut asked = self.asked.lock();
             asked.push((self.len, off, len));
-            if let Some((n, opened)) = &self.opens_after {
+            if let Some((n, ahead)) = &self.opens_after {
                 if asked.len() == *n {
-                    opened.store(true, AtomicOrdering::Relaxed);
+                    ahead.opened(self.ino);
                 }
             }
             let mut budget = self.budget.lock();
@@ -587,62 +843,114 @@ mod tests {
         }
     }
 
-    /// Steps of 8, 16, then 32 MiB from each object's start, one object after another;
-    /// fetching ends where the memory runs out, at the bound, or once a shard is opened.
+    /// Steps taken as a store thread would: with `stores`, a drain gives the source's
+    /// memory back (the store read the parts handed to it).
+    struct Recorded {
+        stores: bool,
+        budget: Arc<Mutex<u64>>,
+        pending: u64,
+    }
+
+    impl Steps for Recorded {
+        fn stores(&self) -> bool {
+            self.stores
+        }
+        fn fetched(&mut self, _: Ino, _: u64, len: u64, held: bool) {
+            assert!(held, "a remote source's parts are held in memory");
+            self.pending += len;
+        }
+        fn drain(&mut self) -> bool {
+            if !self.stores || self.pending == 0 {
+                return false;
+            }
+            let mut budget = self.budget.lock();
+            *budget = budget.saturating_add(self.pending);
+            self.pending = 0;
+            true
+        }
+    }
+
+    /// Steps of 8, 16, then 32 MiB from each object's start, one object after another, the
+    /// ramp carried on; fetching ends at the bound, where the memory runs out (where steps
+    /// are stored, only once what was handed on is stored and the step asked again), and at
+    /// the first open of a shard where nothing is stored; where steps are stored, an opened
+    /// shard is left and the next one fetched.
     #[test]
     fn fetch_ahead_ramps_up_in_order_and_stops_when_full_or_opened() {
         const M: u64 = 1 << 20;
-        let run = |budget: u64, bound: u64, opens_after: Option<usize>| {
+        let run = |budget: u64, bound: u64, opens_after: Option<usize>, stores: bool| {
             let budget = Arc::new(Mutex::new(budget));
             let asked = Arc::new(Mutex::new(Vec::new()));
-            let opened = Arc::new(AtomicBool::new(false));
-            let objects: Vec<(Ino, Arc<dyn Object>)> = [100 * M, 20 * M]
+            let ahead = FetchAhead::new();
+            let objects: Vec<Budgeted> = [100 * M, 20 * M]
                 .into_iter()
                 .enumerate()
-                .map(|(i, len)| {
-                    let object = Arc::new(Budgeted {
-                        len,
-                        budget: budget.clone(),
-                        asked: asked.clone(),
-                        opens_after: opens_after.map(|n| (n, opened.clone())),
-                    }) as Arc<dyn Object>;
-                    (i as Ino, object)
+                .map(|(i, len)| Budgeted {
+                    ino: i as Ino,
+                    len,
+                    budget: budget.clone(),
+                    asked: asked.clone(),
+                    opens_after: opens_after.map(|n| (n, ahead.clone())),
                 })
                 .collect();
-            let total = fetch_in_order(objects.into_iter(), bound, &opened, |_, _, _| {});
+            let steps = Recorded {
+                stores,
+                budget: budget.clone(),
+                pending: 0,
+            };
+            let mut walk = ShardWalk::new(ahead, bound, steps);
+            for o in &objects {
+                if !walk.object(o.ino, o) {
+                    break;
+                }
+            }
             let asked = asked.lock().clone();
-            (total, asked)
+            (walk.total, asked)
         };
-        let (total, asked) = run(u64::MAX, u64::MAX, None);
-        assert_eq!(total, 120 * M);
-        assert_eq!(
-            asked,
-            [
-                (100 * M, 0, 8 * M),
-                (100 * M, 8 * M, 16 * M),
-                (100 * M, 24 * M, 32 * M),
-                (100 * M, 56 * M, 32 * M),
-                (100 * M, 88 * M, 12 * M),
-                (20 * M, 0, 20 * M),
-            ]
-        );
-        let (total, asked) = run(30 * M, u64::MAX, None);
+        for stores in [false, true] {
+            let (total, asked) = run(u64::MAX, u64::MAX, None, stores);
+            assert_eq!(total, 120 * M);
+            assert_eq!(
+                asked,
+                [
+                    (100 * M, 0, 8 * M),
+                    (100 * M, 8 * M, 16 * M),
+                    (100 * M, 24 * M, 32 * M),
+                    (100 * M, 56 * M, 32 * M),
+                    (100 * M, 88 * M, 12 * M),
+                    (20 * M, 0, 20 * M),
+                ]
+            );
+            let (total, asked) = run(u64::MAX, 30 * M, None, stores);
+            assert_eq!(
+                (total, asked.last().copied()),
+                (30 * M, Some((100 * M, 24 * M, 6 * M))),
+                "ends at the bound, the last step cut to it"
+            );
+        }
+        let (total, asked) = run(30 * M, u64::MAX, None, false);
         assert_eq!(
             (total, asked.len()),
             (30 * M, 3),
-            "ends at the first short step"
+            "nothing stored: ends at the first short step"
         );
-        let (total, asked) = run(u64::MAX, u64::MAX, Some(2));
+        let (total, asked) = run(40 * M, u64::MAX, None, true);
+        assert_eq!(total, 120 * M, "stored: room again once the store drained");
+        assert!(
+            asked.contains(&(100 * M, 40 * M, 16 * M)),
+            "the short step asked again: {asked:?}"
+        );
+        let (total, asked) = run(u64::MAX, u64::MAX, Some(2), false);
         assert_eq!(
             (total, asked.len()),
             (24 * M, 2),
-            "ends once a shard is opened"
+            "nothing stored: ends once a shard is opened"
         );
-        let (total, asked) = run(u64::MAX, 30 * M, None);
+        let (total, asked) = run(u64::MAX, u64::MAX, Some(2), true);
         assert_eq!(
             (total, asked.last().copied()),
-            (30 * M, Some((100 * M, 24 * M, 6 * M))),
-            "ends at the bound, the last step cut to it"
+            (44 * M, Some((20 * M, 0, 20 * M))),
+            "stored: the opened shard left, the next fetched with the ramp carried on"
         );
     }
 

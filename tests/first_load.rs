@@ -285,6 +285,37 @@ fn a_sealed_shards_page_cache_goes_once_its_copy_holds_it() {
     }
 }
 
+/// Through FUSE a shard opened at once is left to its reads, and fetch ahead goes on with
+/// the next: an engine reads one shard from the daemon while the next is decoded into the
+/// kernel's page cache, whose reads then reach the daemon no more.
+#[test]
+fn fuse_mode_fetches_the_next_shard_ahead_while_the_first_is_read() {
+    let s = sample();
+    let view = s.view();
+    let shards = s.sealed_shards();
+    assert_eq!(shards[0].0, SMALL, "the shard engines load first");
+    for (rel, _) in &shards {
+        evict(&s.sealed().join(rel));
+    }
+    let m = s.mount_fuse(&["--verify", "off"]);
+    let held = File::open(m.path(SMALL)).unwrap();
+    let next = view[BIG].len() as u64;
+    wait_for(30, "the next shard decoded ahead", || {
+        counter(&m, "bytes_stored_ahead") >= next
+    });
+    let served = counter(&m, "bytes_served");
+    assert!(fs::read(m.path(BIG)).unwrap() == view[BIG], "{BIG} differs");
+    assert_eq!(
+        counter(&m, "bytes_served") - served,
+        0,
+        "{BIG} read from the kernel's page cache"
+    );
+    assert!(
+        read_all(&held, view[SMALL].len()) == view[SMALL],
+        "{SMALL} differs"
+    );
+}
+
 /// How many of `path`'s pages are in the page cache.
 fn pages_cached(path: &Path) -> usize {
     let f = File::open(path).unwrap();

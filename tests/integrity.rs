@@ -404,6 +404,66 @@ fn through_fuse_files_are_checked_ahead_of_their_opens() {
     assert!(fs::read(m.path(other)).unwrap() == s.bytes(other));
 }
 
+/// Through FUSE under a manifest, check ahead hashes the files other than shards first
+/// (what engines open first), then each shard, each decoded ahead only after its own check
+/// and without waiting for the other shards' checks.
+#[test]
+fn through_fuse_each_shard_is_decoded_ahead_right_after_its_check() {
+    let s = fixture();
+    let is_shard = |rel: &str| rel.ends_with(".safetensors");
+    let shards: Vec<&String> = s.view.keys().filter(|rel| is_shard(rel)).collect();
+    let stored: u64 = shards.iter().map(|rel| s.view[*rel].len() as u64).sum();
+    let m = Mnt::new();
+    let log = m.scratch().join("log");
+    let mut c = m.cmd(&s.sealed());
+    c.args(s.args(&["--mode", "fuse"]))
+        .arg("--log-file")
+        .arg(&log)
+        .env("RUST_LOG", "kllm_mount=debug");
+    m.mount(c);
+    wait_for(20, "the shards decoded ahead", || {
+        counter(&m, "bytes_stored_ahead") == stored
+    });
+    let lines = fs::read_to_string(&log).unwrap();
+    let lines: Vec<&str> = lines.lines().collect();
+    let at = |needle: &str| {
+        lines
+            .iter()
+            .position(|l| l.contains(needle))
+            .unwrap_or_else(|| panic!("no '{needle}' in the log:\n{}", lines.join("\n")))
+    };
+    // The files read at mount (the metadata file, the blob) have their verdicts already.
+    let checked: Vec<bool> = lines
+        .iter()
+        .filter(|l| l.contains("check ahead: ") && l.ends_with(" checked"))
+        .map(|l| is_shard(l.trim_end_matches(" checked")))
+        .collect();
+    assert!(
+        checked.iter().position(|&shard| shard) == Some(checked.len() - shards.len())
+            && checked.len() > shards.len(),
+        "the other files first, then the shards: {checked:?}"
+    );
+    for rel in &shards {
+        let checked = at(&format!("check ahead: {rel} checked"));
+        assert!(
+            checked < at(&format!("fetch ahead: {rel} begins")),
+            "{rel} fetched ahead before its check"
+        );
+        assert!(
+            checked < at(&format!("store ahead: {rel} stored")),
+            "{rel} decoded ahead before its check"
+        );
+    }
+    assert!(
+        at(&format!("fetch ahead: {} begins", shards[0]))
+            < at(&format!(
+                "check ahead: {} checked",
+                shards[shards.len() - 1]
+            )),
+        "the first shard waited for the last one's check"
+    );
+}
+
 #[test]
 fn status_counts_what_was_read() {
     let s = fixture();

@@ -9,7 +9,7 @@ use std::time::{Duration, Instant};
 use parking_lot::Mutex;
 
 use super::{Backing, OpenMode, OpenPolicy, OpenTable, Opened, ServeMode};
-use crate::ahead::{Ahead, CheckAhead, FetchAhead, PageCache};
+use crate::ahead::{Ahead, CheckAhead, FetchAhead, FetchPlan, PageCache};
 use crate::fill::{Fill, Priority};
 use crate::memfs::{MemoryFile, MemoryFs};
 use crate::pressure::Guard;
@@ -117,16 +117,22 @@ impl<B: Send + Sync + 'static> Opens<B> {
         if self.mode.passthrough().is_none() {
             if self.copies.decode_ahead {
                 let fetch = FetchAhead::new();
-                let bound = self.fetch_bound();
-                // Under a manifest the files are hashed first (no byte is decoded before its
-                // file's verdict), then fetched ahead on the same thread.
-                let f = fetch.clone();
-                let pc = page_cache.clone();
-                let then = move |view: &View| f.run(view, crate::ahead::order(view), bound, pc);
-                if let Some(check) = CheckAhead::start(self.view.clone(), then) {
-                    let _ = self.check_ahead.set(check);
-                    let _ = self.fetch_ahead.set(fetch);
-                } else if fetch.start(self.view.clone(), bound, page_cache) {
+                let plan = FetchPlan {
+                    ahead: fetch.clone(),
+                    bound: self.fetch_bound(),
+                    page_cache,
+                };
+                // The index read once, and only where there are shards to find (a GET on a
+                // remote source).
+                let shards = crate::ahead::order(&self.view);
+                if crate::ahead::awaits_any_verdict(&self.view) {
+                    // Under a manifest no byte is decoded before its file's verdict: each
+                    // shard is fetched ahead right after its check, on the same thread.
+                    if let Some(check) = CheckAhead::start(self.view.clone(), shards, Some(plan)) {
+                        let _ = self.check_ahead.set(check);
+                        let _ = self.fetch_ahead.set(fetch);
+                    }
+                } else if fetch.start(self.view.clone(), shards, plan) {
                     let _ = self.fetch_ahead.set(fetch);
                 }
             }
@@ -203,7 +209,7 @@ impl<B: Send + Sync + 'static> Opens<B> {
         if let Opened::Fuse { fh, .. } = opened {
             if let Some(fetch) = self.fetch_ahead.get() {
                 if matches!(node.content, Content::Shard { .. }) {
-                    fetch.opened();
+                    fetch.opened(ino);
                 }
             }
             if let Some(check) = self.check_ahead.get() {
