@@ -488,7 +488,7 @@ impl<S: Steps> ShardWalk<S> {
     /// even once the steps handed on were stored), or the shard is opened (where steps
     /// are stored; any shard, where not); whether to go on with the next.
     fn object(&mut self, ino: Ino, object: &dyn Object) -> bool {
-        let held = !matches!(object.local_file(), Ok(Some(_)));
+        let held = object.holds_fetched_ahead();
         let mut off = 0;
         while off < object.len() {
             if self.total >= self.bound {
@@ -552,17 +552,18 @@ impl Storing {
         let handoff = Arc::new(Handoff::default());
         let (h, view) = (handoff.clone(), view.clone());
         let run = move || {
+            // However this thread ends (a bug's panic included), the fetch thread must not
+            // wait for it.
+            let _ended = EndOnDrop(h.clone());
             // SAFETY: gettid has no preconditions.
             run_in_background(unsafe { libc::gettid() }, true);
             let Some(mut store) = StoreAhead::new(&view, cache) else {
-                h.end();
                 return;
             };
             while let Some((ino, off, len)) = h.next() {
                 let went_on = store.decode_and_store(ino, off, len, &ahead);
                 h.stored(len);
                 if !went_on {
-                    h.end();
                     return;
                 }
             }
@@ -602,6 +603,15 @@ impl Drop for Storing {
         if let Some(h) = &self.handoff {
             h.close();
         }
+    }
+}
+
+/// Ends the handoff when the store thread ends.
+struct EndOnDrop(Arc<Handoff>);
+
+impl Drop for EndOnDrop {
+    fn drop(&mut self) {
+        self.0.end();
     }
 }
 
@@ -841,6 +851,9 @@ mod tests {
         fn local_file(&self) -> Result<Option<&std::fs::File>, crate::ReadError> {
             Ok(None)
         }
+        fn holds_fetched_ahead(&self) -> bool {
+            true
+        }
     }
 
     /// Steps taken as a store thread would: with `stores`, a drain gives the source's
@@ -952,6 +965,35 @@ mod tests {
             (44 * M, Some((20 * M, 0, 20 * M))),
             "stored: the opened shard left, the next fetched with the ramp carried on"
         );
+    }
+
+    /// Steps held in memory wait while 64 MiB handed over are not stored (page-cache steps
+    /// do not); once the store thread is gone, however it ended, nothing waits for it.
+    #[test]
+    fn the_handoff_bounds_held_bytes_and_frees_the_fetch_when_the_store_ends() {
+        const M: u64 = 1 << 20;
+        let pause = || std::thread::sleep(Duration::from_millis(50));
+        let h = Arc::new(Handoff::default());
+        h.hand(1, 0, 64 * M, true);
+        h.hand(2, 0, 100 * M, false);
+        let h2 = h.clone();
+        let waiter = std::thread::spawn(move || h2.hand(1, 64 * M, 8 * M, true));
+        pause();
+        assert!(!waiter.is_finished(), "64 MiB held and not stored: waits");
+        assert_eq!(h.next(), Some((1, 0, 64 * M)));
+        h.stored(64 * M);
+        waiter.join().unwrap();
+        assert_eq!(h.next(), Some((2, 0, 100 * M)), "in the order handed");
+
+        let h3 = h.clone();
+        let drainer = std::thread::spawn(move || h3.drain());
+        pause();
+        assert!(!drainer.is_finished(), "a drain waits for the store");
+        drop(EndOnDrop(h.clone()));
+        assert!(drainer.join().unwrap(), "steps were waiting");
+        assert!(h.ended());
+        h.hand(3, 0, 200 * M, true);
+        assert!(!h.drain(), "nothing is handed to a store that is gone");
     }
 
     #[test]

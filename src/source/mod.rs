@@ -143,6 +143,12 @@ pub trait Object: Send + Sync {
         0
     }
 
+    /// Whether what `fetch_ahead` brought in is held in the daemon's own memory until read
+    /// (a remote object's parts), rather than in the kernel's page cache.
+    fn holds_fetched_ahead(&self) -> bool {
+        false
+    }
+
     /// How many `read_once_at` calls gain from running at once (many GETs in flight).
     fn parallel_reads(&self) -> usize {
         1

@@ -1152,6 +1152,10 @@ impl Object for RemoteObject {
         Ok(())
     }
 
+    fn holds_fetched_ahead(&self) -> bool {
+        true
+    }
+
     /// The parts that hold the range, each fetched as a part read ahead (kept until read)
     /// until the parts read ahead and not read yet fill half of the source's memory.
     fn fetch_ahead(&self, off: u64, len: u64) -> u64 {
