@@ -1064,3 +1064,47 @@ fn fuse_mode_fetches_the_shards_ahead_of_their_first_open() {
         }
     }
 }
+
+#[test]
+fn fuse_mode_fetch_ahead_stores_more_shards_than_its_memory_holds() {
+    // The parts fetched ahead are memory only until they are decoded into the kernel's page
+    // cache: with room for one part read ahead, every shard is still fetched and stored
+    // ahead, each step asked again once the one before it was stored, and the reads then
+    // need neither a GET nor the daemon.
+    let Some(server) = server_with_fixtures() else {
+        return;
+    };
+    let sample = Sample::new([7; 32], 128, 4, Some(kllm_mount::lock::Version::V2), |_| {});
+    server.put_tree(BUCKET, "tight", &sample.sealed(), &[]);
+    let view = sample.view();
+    let shards = sample.sealed_shards();
+    let sealed: u64 = shards.iter().map(|(_, len)| len).sum();
+    let decoded: u64 = shards.iter().map(|(rel, _)| view[rel].len() as u64).sum();
+    assert!(shards.len() >= 2, "shards: {shards:?}");
+    let largest = shards.iter().map(|(_, len)| *len).max().unwrap();
+    let part = largest.next_power_of_two().max(4096);
+    let m = Mnt::new();
+    let mut c = remote_cmd(&m, &format!("s3://{BUCKET}/tight"));
+    c.args(["--endpoint-url", &server.endpoint()])
+        .args(["--key", sample.key_file().to_str().unwrap()])
+        .args([
+            "--mode",
+            "fuse",
+            "--part-size",
+            &format!("{}K", part / 1024),
+        ])
+        // Half of it is kept for reading ahead: one part.
+        .args(["--source-memory", &format!("{}K", 2 * part / 1024)]);
+    m.mount(c);
+    let n = |name: &str| status(&m)[name].as_u64().unwrap();
+    wait_for(30, "every shard decoded ahead", || {
+        n("bytes_stored_ahead") == decoded
+    });
+    assert_eq!(n("bytes_fetched_ahead"), sealed);
+    let (gets, served) = (n("remote_gets"), n("bytes_served"));
+    for (rel, _) in &shards {
+        assert!(fs::read(m.path(rel)).unwrap() == view[rel], "{rel}");
+    }
+    assert_eq!(n("remote_gets"), gets, "GETs sent for shards stored ahead");
+    assert_eq!(n("bytes_served"), served, "bytes read through the daemon");
+}
