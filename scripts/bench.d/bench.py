@@ -58,6 +58,7 @@ class Bench:
         self.bindfs_opts = a.bindfs_opts.split() if a.bindfs_opts else []
         self.gocryptfs_opts = a.gocryptfs_opts.split() if a.gocryptfs_opts else []
         self.data = {}  # name -> dict(dir, plain, sealed, cipher_dir, file)
+        self.sharded = None  # dict(dir, sealed, key, files, mib): loadtime.sharded_read
         self.rounds = []
         self.ready_sets = []
         self.engine_rounds = []
@@ -89,7 +90,7 @@ class Bench:
         return kllm_status(mnt)["pid"]
 
     def mount(self, system, ds, extra=(), cache_size=None):
-        d = self.data[ds]
+        d = self.sharded if ds == "sharded" else self.data[ds]
         mnt = self.mnt(system, ds)
         os.makedirs(mnt, exist_ok=True)
         unmount(mnt)
@@ -207,6 +208,15 @@ class Bench:
             log(f"data {name}: {mib} MiB, lock {lock} {dtype}, with gocryptfs copy, "
                 f"{time.time() - t:.1f} s")
             self.check_same_bytes(name)
+        # a sharded checkpoint: as many bytes as the v2 shard, in SHARDED_COUNT shards
+        out = os.path.join(self.work, "data", "sharded")
+        mib = max(1, a.mib // loadtime.SHARDED_COUNT)
+        run([GEN, "shards", out, "--count", str(loadtime.SHARDED_COUNT), "--min-mib", str(mib),
+             "--max-mib", str(mib), "--tensors", "16"])
+        sealed = os.path.join(out, "sealed")
+        self.sharded = dict(dir=out, sealed=sealed, key=os.path.join(out, "kllm.key"), mib=mib,
+                            files=sorted(f for f in os.listdir(sealed) if f.endswith(".safetensors")))
+        log(f"data sharded: {loadtime.SHARDED_COUNT} x {mib} MiB, lock v2 bf16")
         # mount-ready sets: 1, 10, 100 shards; small (dense) and large (sparse) sizes
         lo, hi = (1, 4) if a.quick else (1, 16)
         for count in (1, 10, 100):
@@ -425,6 +435,11 @@ class Bench:
                 + f" MiB/s, {loadtime.DELAY_S:.0f} s delayed "
                 + " ".join(f"{s}={v:.0f}" for s, v in res["delayed"].items())
                 + f" MiB/s ({time.time() - t0:.0f} s)")
+        rec["sharded"] = loadtime.sharded_round(self, r)
+        log(f"round {r + 1} sharded: at once " + " ".join(
+            f"{s}={v:.0f}" for s, v in rec["sharded"]["at once"].items())
+            + f" MiB/s, {loadtime.DELAY_S:.0f} s delayed " + " ".join(
+            f"{s}={v:.0f}" for s, v in rec["sharded"]["delayed"].items()) + " MiB/s")
         for s in kllms:
             rec["rss"][s] = self.rss_test(s)
         rec["ready"] = self.ready_test()

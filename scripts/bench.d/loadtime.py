@@ -7,6 +7,8 @@ a cold disk or a fresh mount and end where a user's wait ends.
 - 5 s between mounting and the first open (an engine importing), then the same read;
 - a loader's view, true cold: header then every tensor by pread, by mmap, by O_DIRECT
   preads (fastsafetensors) and by fio's io_uring engine with O_DIRECT (InstantTensor);
+- a sharded checkpoint, true cold: every shard read in load order at once and 5 s after the
+  mount, against the same files read directly from the disk;
 - engine start (engines.py): kllm-mount started until a model is loaded.
 """
 
@@ -23,6 +25,8 @@ COLD_SYSTEMS = ["kllm", "kllm-fuse", "bindfs", "gocryptfs", "raw"]
 DELAYED_SYSTEMS = ["kllm", "kllm-fuse"]
 DELAY_S = 5.0  # an engine importing between mounting and its first open
 LOADER_SYSTEMS = ["kllm", "kllm-fuse", "raw"]
+SHARDED_SYSTEMS = ["kllm", "kllm-fuse", "raw"]
+SHARDED_COUNT = 4  # a checkpoint as engines load most: several shards, in the index's order
 LOADER_PATTERNS = ["pread", "mmap", "o_direct", "io_uring"]
 LOADERS = {"pread": load_tensors_pread, "mmap": load_tensors_mmap,
            "o_direct": load_tensors_direct}
@@ -96,6 +100,37 @@ def loader_view(b, s, ds, pattern, res):
             b.umount(s, ds)
 
 
+def sharded_read(b, s, delay, res):
+    """The sharded checkpoint, true cold: every cache dropped, system `s` mounted fresh (raw:
+    the sealed files themselves, as many bytes on the same disk as the plain ones), `delay`
+    seconds of nothing, then every shard read in load order as one shard is read above;
+    MiB/s over them all, into res["at once" or "delayed"][s]."""
+    d = b.sharded
+    drop_caches()
+    root = d["sealed"] if s == "raw" else b.mount(s, "sharded")
+    try:
+        time.sleep(delay)
+        t0 = time.perf_counter()
+        n = sum(read_seq_first(os.path.join(root, f))[0] for f in d["files"])
+        dt = time.perf_counter() - t0
+    finally:
+        if s != "raw":
+            b.umount(s, "sharded")
+    res["delayed" if delay else "at once"][s] = n / dt / MiB
+
+
+def sharded_round(b, r):
+    """Round `r` of the sharded checkpoint's reads, the systems' order alternated."""
+    res = {"at once": {}, "delayed": {}}
+    order = SHARDED_SYSTEMS if r % 2 == 0 else SHARDED_SYSTEMS[::-1]
+    for s in order:
+        sharded_read(b, s, 0, res)
+    for s in order:
+        if s != "raw":
+            sharded_read(b, s, DELAY_S, res)
+    return res
+
+
 def loader_patterns():
     """The loader patterns this machine can run (io_uring needs fio)."""
     if shutil.which("fio"):
@@ -135,7 +170,8 @@ def estimate_minutes(a, engines):
     engine round per GiB of engine model, and fixed costs."""
     gib, v2 = (a.mib + a.v1_mib) / 1024, a.mib / 1024
     page_cache = 50 * gib + 10  # seven measurements x five systems, reopens, the 4 GiB shard
-    cold = 32 * gib + 36 * v2  # five cold reads and two delayed per set; the loader view
+    # five cold reads and two delayed per set; the loader view; the sharded checkpoint
+    cold = 32 * gib + 36 * v2 + 10 + 5 * v2
     setup = 20 * gib + 30 + (0 if a.no_decode else 60)
     eng = 0
     if engines:
