@@ -261,6 +261,10 @@ impl CheckAhead {
             let mut walk = fetch.map(|plan| plan.walk(&view));
             for &ino in &shards {
                 check(ino);
+                if view.failed_check(ino) {
+                    // Its reads fail: nothing of it is worth bringing in.
+                    continue;
+                }
                 if let Some(w) = walk.as_mut() {
                     if !w.shard(&view, ino) {
                         walk = None;

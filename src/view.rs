@@ -218,6 +218,14 @@ impl View {
             .is_some_and(|i| i.verdict.get().is_none())
     }
 
+    /// Whether file `ino`'s check is done and failed (never waits for a hash).
+    pub fn failed_check(&self, ino: Ino) -> bool {
+        self.node(ino)
+            .and_then(|n| n.integrity.as_ref())
+            .and_then(|i| i.verdict.get())
+            .is_some_and(|v| v.is_err())
+    }
+
     fn verdict<'a>(&self, ino: Ino, node: &Node, i: &'a Integrity) -> &'a Result<(), String> {
         i.verdict.get_or_init(|| {
             let verdict = i.judge(self.hash(node));

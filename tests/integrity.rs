@@ -400,6 +400,11 @@ fn through_fuse_files_are_checked_ahead_of_their_opens() {
     wait_for(20, "the good shard decoded ahead", || {
         counter(&m, "bytes_stored_ahead") == s.view[other].len() as u64
     });
+    assert_eq!(
+        counter(&m, "bytes_fetched_ahead"),
+        fs::metadata(s.sealed().join(other)).unwrap().len(),
+        "only the good shard fetched ahead"
+    );
     assert_reads_fail(&m, SHARD, "checked ahead");
     assert!(fs::read(m.path(other)).unwrap() == s.bytes(other));
 }
