@@ -996,6 +996,72 @@ fn a_mount_reads_only_the_headers_of_its_shards() {
     }
 }
 
+/// A sample of several shards put under a prefix of the server, for the fetch-ahead tests:
+/// what fetch ahead brings in and stores, and FUSE mounts of it.
+struct AheadSample {
+    sample: Sample,
+    view: std::collections::BTreeMap<String, Vec<u8>>,
+    shards: Vec<(String, u64)>,
+    /// The shards' sealed bytes, and their view's.
+    sealed: u64,
+    decoded: u64,
+    /// One part a shard: with smaller parts the kernel's readahead, whose reads reach the
+    /// daemon out of order, can have a window fetch a part again that later reads already
+    /// read through (harmless, and not seen with parts much larger than its reads: 69 GETs
+    /// for 64 parts and the mount's own, reading 512 MiB in 8 MiB parts).
+    part: u64,
+    url: String,
+}
+
+impl AheadSample {
+    fn put(server: &S3Server, key: [u8; 32], prefix: &str) -> AheadSample {
+        let sample = Sample::new(key, 128, 4, Some(kllm_mount::lock::Version::V2), |_| {});
+        server.put_tree(BUCKET, prefix, &sample.sealed(), &[]);
+        let view = sample.view();
+        let shards = sample.sealed_shards();
+        assert!(shards.len() >= 2, "shards: {shards:?}");
+        let sealed = shards.iter().map(|(_, len)| len).sum();
+        let decoded = shards.iter().map(|(rel, _)| view[rel].len() as u64).sum();
+        let largest = shards.iter().map(|(_, len)| *len).max().unwrap();
+        AheadSample {
+            sample,
+            view,
+            shards,
+            sealed,
+            decoded,
+            part: largest.next_power_of_two().max(4096),
+            url: format!("s3://{BUCKET}/{prefix}"),
+        }
+    }
+
+    /// Mounted through FUSE with one part a shard, `parts` parts of `--source-memory` (half
+    /// of them kept for reading ahead), and `extra`.
+    fn mount_fuse(&self, server: &S3Server, parts: u64, extra: &[&str]) -> Mnt {
+        let m = Mnt::new();
+        let mut c = remote_cmd(&m, &self.url);
+        c.args(["--endpoint-url", &server.endpoint()])
+            .args(["--key", self.sample.key_file().to_str().unwrap()])
+            .args(["--mode", "fuse"])
+            .args(["--part-size", &format!("{}K", self.part / 1024)])
+            .args(["--source-memory", &format!("{}K", parts * self.part / 1024)])
+            .args(extra);
+        m.mount(c);
+        m
+    }
+
+    /// Every shard read through `m`, byte-exact: the GETs sent and the bytes served by the
+    /// daemon meanwhile.
+    fn read_shards(&self, m: &Mnt, label: &str) -> (u64, u64) {
+        let n = |name: &str| status(m)[name].as_u64().unwrap();
+        let (gets, served) = (n("remote_gets"), n("bytes_served"));
+        for (rel, _) in &self.shards {
+            let got = fs::read(m.path(rel)).unwrap();
+            assert!(got == self.view[rel], "{rel}: not byte-exact ({label})");
+        }
+        (n("remote_gets") - gets, n("bytes_served") - served)
+    }
+}
+
 #[test]
 fn fuse_mode_fetches_the_shards_ahead_of_their_first_open() {
     // Through FUSE with nothing to hash first, a mount fetches its shards' parts right
@@ -1005,57 +1071,26 @@ fn fuse_mode_fetches_the_shards_ahead_of_their_first_open() {
     let Some(server) = server_with_fixtures() else {
         return;
     };
-    let sample = Sample::new([9; 32], 128, 4, Some(kllm_mount::lock::Version::V2), |_| {});
-    server.put_tree(BUCKET, "early", &sample.sealed(), &[]);
-    let view = sample.view();
-    let shards = sample.sealed_shards();
-    let sealed: u64 = shards.iter().map(|(_, len)| len).sum();
-    let decoded: u64 = shards.iter().map(|(rel, _)| view[rel].len() as u64).sum();
-    assert!(shards.len() >= 2, "shards: {shards:?}");
-    // One part a shard: with smaller parts the kernel's readahead, whose reads reach the
-    // daemon out of order, can have a window fetch a part again that later reads already
-    // read through (harmless, and not seen with parts much larger than its reads: 69 GETs
-    // for 64 parts and the mount's own, reading 512 MiB in 8 MiB parts).
-    let largest = shards.iter().map(|(_, len)| *len).max().unwrap();
-    let part = largest.next_power_of_two().max(4096);
-    // Room to read every part ahead: half of the source's memory.
-    let memory = format!("{}K", 4 * part * shards.len() as u64 / 1024);
-
+    let a = AheadSample::put(&server, [9; 32], "early");
     for ahead in [false, true] {
-        let m = Mnt::new();
-        let mut c = remote_cmd(&m, &format!("s3://{BUCKET}/early"));
-        c.args(["--endpoint-url", &server.endpoint()])
-            .args(["--key", sample.key_file().to_str().unwrap()])
-            .args([
-                "--mode",
-                "fuse",
-                "--part-size",
-                &format!("{}K", part / 1024),
-            ])
-            .args(["--source-memory", &memory]);
-        if !ahead {
-            c.arg("--no-decode-ahead");
-        }
-        m.mount(c);
+        // Room to read every part ahead: half of the source's memory.
+        let parts = 4 * a.shards.len() as u64;
+        let off: &[&str] = if ahead { &[] } else { &["--no-decode-ahead"] };
+        let m = a.mount_fuse(&server, parts, off);
         let n = |name: &str| status(&m)[name].as_u64().unwrap();
         if ahead {
             wait_for(30, "every shard decoded ahead", || {
-                n("bytes_stored_ahead") == decoded
+                n("bytes_stored_ahead") == a.decoded
             });
-            assert_eq!(n("bytes_fetched_ahead"), sealed);
+            assert_eq!(n("bytes_fetched_ahead"), a.sealed);
         } else {
             std::thread::sleep(Duration::from_millis(500));
             assert_eq!(n("bytes_fetched_ahead"), 0, "--no-decode-ahead");
         }
-        let (gets, served) = (n("remote_gets"), n("bytes_served"));
-        for (rel, _) in &shards {
-            let got = fs::read(m.path(rel)).unwrap();
-            assert!(got == view[rel], "{rel}: not byte-exact (ahead: {ahead})");
-        }
-        let sent = n("remote_gets") - gets;
+        let (sent, served) = a.read_shards(&m, &format!("ahead: {ahead}"));
         if ahead {
             assert_eq!(sent, 0, "GETs sent for shards fetched ahead");
-            assert_eq!(n("bytes_served"), served, "bytes read through the daemon");
+            assert_eq!(served, 0, "bytes read through the daemon");
         } else {
             assert!(
                 sent > 0,
@@ -1074,37 +1109,15 @@ fn fuse_mode_fetch_ahead_stores_more_shards_than_its_memory_holds() {
     let Some(server) = server_with_fixtures() else {
         return;
     };
-    let sample = Sample::new([7; 32], 128, 4, Some(kllm_mount::lock::Version::V2), |_| {});
-    server.put_tree(BUCKET, "tight", &sample.sealed(), &[]);
-    let view = sample.view();
-    let shards = sample.sealed_shards();
-    let sealed: u64 = shards.iter().map(|(_, len)| len).sum();
-    let decoded: u64 = shards.iter().map(|(rel, _)| view[rel].len() as u64).sum();
-    assert!(shards.len() >= 2, "shards: {shards:?}");
-    let largest = shards.iter().map(|(_, len)| *len).max().unwrap();
-    let part = largest.next_power_of_two().max(4096);
-    let m = Mnt::new();
-    let mut c = remote_cmd(&m, &format!("s3://{BUCKET}/tight"));
-    c.args(["--endpoint-url", &server.endpoint()])
-        .args(["--key", sample.key_file().to_str().unwrap()])
-        .args([
-            "--mode",
-            "fuse",
-            "--part-size",
-            &format!("{}K", part / 1024),
-        ])
-        // Half of it is kept for reading ahead: one part.
-        .args(["--source-memory", &format!("{}K", 2 * part / 1024)]);
-    m.mount(c);
+    let a = AheadSample::put(&server, [7; 32], "tight");
+    // Half of it is kept for reading ahead: one part.
+    let m = a.mount_fuse(&server, 2, &[]);
     let n = |name: &str| status(&m)[name].as_u64().unwrap();
     wait_for(30, "every shard decoded ahead", || {
-        n("bytes_stored_ahead") == decoded
+        n("bytes_stored_ahead") == a.decoded
     });
-    assert_eq!(n("bytes_fetched_ahead"), sealed);
-    let (gets, served) = (n("remote_gets"), n("bytes_served"));
-    for (rel, _) in &shards {
-        assert!(fs::read(m.path(rel)).unwrap() == view[rel], "{rel}");
-    }
-    assert_eq!(n("remote_gets"), gets, "GETs sent for shards stored ahead");
-    assert_eq!(n("bytes_served"), served, "bytes read through the daemon");
+    assert_eq!(n("bytes_fetched_ahead"), a.sealed);
+    let (sent, served) = a.read_shards(&m, "one part of memory");
+    assert_eq!(sent, 0, "GETs sent for shards stored ahead");
+    assert_eq!(served, 0, "bytes read through the daemon");
 }
