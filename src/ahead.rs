@@ -235,10 +235,10 @@ impl CheckAhead {
         shards: Vec<Ino>,
         fetch: Option<FetchPlan>,
     ) -> Option<Arc<CheckAhead>> {
-        let others = others_to_check(&view, &shards);
-        if others.is_empty() && !shards.iter().any(|&ino| view.awaits_verdict(ino)) {
+        if !awaits_any_verdict(&view) {
             return None;
         }
+        let others = others_to_check(&view, &shards);
         let check = Arc::new(CheckAhead::new());
         let c = check.clone();
         let run = move || {
@@ -479,9 +479,8 @@ impl<S: Steps> ShardWalk<S> {
     fn shard(&mut self, view: &View, ino: Ino) -> bool {
         match view.sealed_object(ino) {
             Ok(Some(object)) => {
-                let object = object.clone();
                 log::debug!("fetch ahead: {} begins", view.path_of(ino));
-                self.object(ino, &*object)
+                self.object(ino, &**object)
             }
             _ => true,
         }
@@ -566,7 +565,7 @@ impl Storing {
             };
             while let Some((ino, off, len)) = h.next() {
                 let went_on = store.decode_and_store(ino, off, len, &ahead);
-                h.stored(len);
+                h.stored();
                 if !went_on {
                     return;
                 }
@@ -628,16 +627,20 @@ struct Handoff {
 
 #[derive(Default)]
 struct Handed {
-    steps: std::collections::VecDeque<(Ino, u64, u64)>,
-    /// Bytes handed on and not stored yet, and of those, the ones held in memory.
-    pending: u64,
-    held: u64,
-    /// Of the steps queued, which are held (parallel to `steps`).
-    held_steps: std::collections::VecDeque<bool>,
+    /// Each step: bytes `[off, off + len)` of shard `ino`, and whether they are held in the
+    /// daemon's memory. The front one stays until stored.
+    steps: std::collections::VecDeque<(Ino, u64, u64, bool)>,
     /// No more steps will come.
     closed: bool,
     /// The store thread is gone (the kernel refused a store).
     ended: bool,
+}
+
+impl Handed {
+    /// Bytes handed on, not stored yet, and held in memory.
+    fn held(&self) -> u64 {
+        self.steps.iter().filter(|s| s.3).map(|s| s.2).sum()
+    }
 }
 
 impl Handoff {
@@ -645,18 +648,13 @@ impl Handoff {
     /// are not stored.
     fn hand(&self, ino: Ino, off: u64, len: u64, held: bool) {
         let mut s = self.state.lock();
-        while held && s.held >= HANDED_HELD_MAX && !s.ended {
+        while held && s.held() >= HANDED_HELD_MAX && !s.ended {
             self.changed.wait(&mut s);
         }
         if s.ended {
             return;
         }
-        s.steps.push_back((ino, off, len));
-        s.held_steps.push_back(held);
-        s.pending += len;
-        if held {
-            s.held += len;
-        }
+        s.steps.push_back((ino, off, len, held));
         self.changed.notify_all();
     }
 
@@ -664,8 +662,8 @@ impl Handoff {
     fn next(&self) -> Option<(Ino, u64, u64)> {
         let mut s = self.state.lock();
         loop {
-            if let Some(step) = s.steps.front().copied() {
-                return Some(step);
+            if let Some(&(ino, off, len, _)) = s.steps.front() {
+                return Some((ino, off, len));
             }
             if s.closed {
                 return None;
@@ -674,22 +672,17 @@ impl Handoff {
         }
     }
 
-    /// The step [`Handoff::next`] gave, of `len` bytes, was stored (or left).
-    fn stored(&self, len: u64) {
-        let mut s = self.state.lock();
-        s.steps.pop_front();
-        if s.held_steps.pop_front() == Some(true) {
-            s.held -= len;
-        }
-        s.pending -= len;
+    /// The step [`Handoff::next`] gave was stored (or left).
+    fn stored(&self) {
+        self.state.lock().steps.pop_front();
         self.changed.notify_all();
     }
 
     /// Wait until nothing handed on is left to store; whether anything was.
     fn drain(&self) -> bool {
         let mut s = self.state.lock();
-        let waited = s.pending > 0;
-        while s.pending > 0 && !s.ended {
+        let waited = !s.steps.is_empty();
+        while !s.steps.is_empty() && !s.ended {
             self.changed.wait(&mut s);
         }
         waited
@@ -704,9 +697,6 @@ impl Handoff {
         let mut s = self.state.lock();
         s.ended = true;
         s.steps.clear();
-        s.held_steps.clear();
-        s.pending = 0;
-        s.held = 0;
         self.changed.notify_all();
     }
 
@@ -985,7 +975,7 @@ mod tests {
         pause();
         assert!(!waiter.is_finished(), "64 MiB held and not stored: waits");
         assert_eq!(h.next(), Some((1, 0, 64 * M)));
-        h.stored(64 * M);
+        h.stored();
         waiter.join().unwrap();
         assert_eq!(h.next(), Some((2, 0, 100 * M)), "in the order handed");
 

@@ -122,8 +122,7 @@ impl<B: Send + Sync + 'static> Opens<B> {
                     bound: self.fetch_bound(),
                     page_cache,
                 };
-                // The index read once, and only where there are shards to find (a GET on a
-                // remote source).
+                // The index (a GET on a remote source) read once, for both.
                 let shards = crate::ahead::order(&self.view);
                 if crate::ahead::awaits_any_verdict(&self.view) {
                     // Under a manifest no byte is decoded before its file's verdict: each
