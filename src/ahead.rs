@@ -22,7 +22,6 @@
 
 use std::cmp::Ordering;
 use std::collections::HashSet;
-use std::sync::atomic::{AtomicBool, Ordering as AtomicOrdering};
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -355,8 +354,6 @@ pub fn awaits_any_verdict(view: &View) -> bool {
 /// shard while the next is decoded. Where nothing is stored, the first open of a shard ends
 /// fetch ahead: the parts it would keep are the memory a reader's window fills.
 pub struct FetchAhead {
-    /// Set at the first open of any shard.
-    any_opened: AtomicBool,
     /// The shards opened so far.
     opened: Mutex<HashSet<Ino>>,
 }
@@ -389,7 +386,6 @@ const HANDED_HELD_MAX: u64 = 64 << 20;
 impl FetchAhead {
     pub fn new() -> Arc<FetchAhead> {
         Arc::new(FetchAhead {
-            any_opened: AtomicBool::new(false),
             opened: Mutex::new(HashSet::new()),
         })
     }
@@ -415,11 +411,14 @@ impl FetchAhead {
     /// Shard `ino` was opened: its reads fetch (and decode) it from now on.
     pub fn opened(&self, ino: Ino) {
         self.opened.lock().insert(ino);
-        self.any_opened.store(true, AtomicOrdering::Relaxed);
     }
 
     fn is_opened(&self, ino: Ino) -> bool {
         self.opened.lock().contains(&ino)
+    }
+
+    fn any_opened(&self) -> bool {
+        !self.opened.lock().is_empty()
     }
 }
 
@@ -501,7 +500,7 @@ impl<S: Steps> ShardWalk<S> {
                 if self.ahead.is_opened(ino) {
                     return true;
                 }
-            } else if self.ahead.any_opened.load(AtomicOrdering::Relaxed) {
+            } else if self.ahead.any_opened() {
                 return false;
             }
             let want = self
