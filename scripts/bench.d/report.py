@@ -388,12 +388,13 @@ class Report:
         w("| read begun | " + " | ".join(loadtime.SHARDED_SYSTEMS) + " | "
           + " | ".join(f"{s} / raw" for s in kl) + " |")
         w("|---|" + "---:|" * (len(loadtime.SHARDED_SYSTEMS) + len(kl)))
+        def rates(when, s):
+            """MiB/s of `s` read `when`, or "-" where no round measured it (raw delayed)."""
+            got = [r["sharded"][when].get(s) for r in rounds if r["sharded"][when].get(s)]
+            return fmt_med(got, "", 0) if got else "-"
+
         for when, label in (("at once", "at once"), ("delayed", f"{delay:.0f} s after the mount")):
-            w(f"| {label} | " + " | ".join(
-                fmt_med([r["sharded"][when].get(s) for r in rounds
-                         if r["sharded"][when].get(s)], "", 0)
-                if any(r["sharded"][when].get(s) for r in rounds) else "-"
-                for s in loadtime.SHARDED_SYSTEMS)
+            w(f"| {label} | " + " | ".join(rates(when, s) for s in loadtime.SHARDED_SYSTEMS)
               + " | " + " | ".join(fmt_ratio(p.sharded(when, s)) for s in kl) + " |")
         w("")
 
