@@ -20,6 +20,13 @@
 //!       codes): headers are real, the data costs no disk. For the mount-ready test, which
 //!       needs only headers.
 //!
+//!   bench-shard decode SHARD [--rounds 3]
+//!       The decode alone, a floor for any read that decodes: SHARD (made by `shard`, under
+//!       this tool's fixed key) read into memory and touched first, untimed; then its data
+//!       unlocked in place in 8 MiB chunks on all cores, as a fill unlocks, with no I/O, no
+//!       FUSE and no fresh pages. Prints one JSON line: the best and the median seconds.
+//!       The result is checked against the plain twin (`../plain/` beside `sealed/`) if any.
+//!
 //! The key is fixed (the same every run), so data sets are reproducible.
 
 use std::fs::{self, File};
@@ -79,6 +86,12 @@ enum Cmd {
         sparse: bool,
         #[arg(long, default_value_t = 2)]
         threads: usize,
+    },
+    /// The decode alone of a sealed shard made by `shard`, in memory on all cores (JSON).
+    Decode {
+        shard: PathBuf,
+        #[arg(long, default_value_t = 3)]
+        rounds: usize,
     },
 }
 
@@ -343,10 +356,48 @@ fn version(s: &str) -> Version {
     Version::parse(s).unwrap_or_else(|| die(format!("--lock {s}: use v1 or v2")))
 }
 
+/// `bench-shard decode`: see the module's docs.
+fn decode_alone(path: &Path, key: &ModelKey, rounds: usize) {
+    let file = File::open(path).or_die(&path.display());
+    let shard = Shard::open(path, &file, "", key).or_die(&path.display());
+    let sealed = fs::read(path).or_die(&path.display());
+    let raw = |at: u64, buf: &mut [u8]| std::os::unix::fs::FileExt::read_exact_at(&file, buf, at);
+    let chunk = kllm_mount::fill::CHUNK as usize;
+    let mut buf = sealed.clone();
+    let mut times = Vec::new();
+    for _ in 0..rounds.max(1) {
+        buf.copy_from_slice(&sealed);
+        let t = Instant::now();
+        for (i, c) in buf.chunks_mut(chunk).enumerate() {
+            shard
+                .unlock_in_place((i * chunk) as u64, c, &raw)
+                .or_die(&"unlock");
+        }
+        times.push(t.elapsed().as_secs_f64());
+    }
+    let plain = path
+        .parent()
+        .and_then(Path::parent)
+        .zip(path.file_name())
+        .map(|(out, name)| out.join("plain").join(name));
+    if let Some(plain) = plain.filter(|p| p.exists()) {
+        if fs::read(&plain).or_die(&plain.display()) != buf {
+            die(format!("the decode differs from {}", plain.display()));
+        }
+    }
+    times.sort_by(|a, b| a.total_cmp(b));
+    println!(
+        "{}",
+        json!({"bytes": buf.len(), "threads": rayon::current_num_threads(),
+               "best_s": times[0], "median_s": times[times.len() / 2]})
+    );
+}
+
 fn main() {
     let key = ModelKey::new(KEY);
     let t0 = Instant::now();
     match Cli::parse().cmd {
+        Cmd::Decode { shard, rounds } => decode_alone(&shard, &key, rounds),
         Cmd::Shard {
             out,
             mib,

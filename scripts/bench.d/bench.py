@@ -311,6 +311,16 @@ class Bench:
             if s != "raw":
                 self.umount(s, ds)
 
+    def decode_alone(self, ds, res):
+        """The decode alone (`bench-shard decode`): the sealed shard, read into memory first,
+        unlocked in place on all cores with no I/O, no FUSE and no fresh pages. A read that
+        decodes as it is served does at least this work, so a peer's rate over this one
+        bounds what any design can reach against that peer on this machine."""
+        sealed = os.path.join(self.data[ds]["sealed"], self.data[ds]["file"])
+        out = run([GEN, "decode", sealed, "--rounds", "2"], capture_output=True, text=True).stdout
+        r = json.loads(out)
+        res["decode_alone"].update(decode=r["bytes"] / r["best_s"] / MiB, mib=r["bytes"] / MiB)
+
     def open_test(self, s, ds, res):
         """open() of the shard on a fresh mount (in passthrough the whole decode happens
         here), and the time until its first 4 KiB arrive."""
@@ -391,7 +401,7 @@ class Bench:
         for ds, d in self.data.items():
             res = {m: {} for m in METRICS + ["warm", "warm_raw", "cpu_s_per_gib", "seq_s",
                                              "daemon_cpu_s_per_gib", "decode_ms", "open_ms",
-                                             "ttfb_ms", "open_decode_ms"]}
+                                             "ttfb_ms", "open_decode_ms", "decode_alone"]}
             for k in ("tp_cpu_s", "tp_mibps", "verify", "verify_bytes"):
                 res[k] = {s: {} for s in KLLMS}
 
@@ -410,6 +420,7 @@ class Bench:
                 for s in order:
                     undisturbed(f"{metric} {s}", lambda: self.measure_one(metric, s, ds, res))
             undisturbed("warm ceiling", lambda: self.measure_warm_ceiling(ds, res))
+            self.decode_alone(ds, res)
             for s in order:
                 undisturbed(f"open {s}", lambda: self.open_test(s, ds, res))
             worlds = (1, TP_WORLD) if r % 2 == 0 else (TP_WORLD, 1)
@@ -425,7 +436,7 @@ class Bench:
             rec["datasets"][ds] = res
             log(f"round {r + 1} {ds}: " + "; ".join(
                 f"{m} " + " ".join(f"{s}={res[m][s]:.0f}" for s in SYSTEMS) for m in METRICS + ["warm"])
-                + " MiB/s; open " + " ".join(f"{s}={res['open_ms'][s]:.1f}" for s in SYSTEMS)
+                + f" MiB/s; decode alone {res['decode_alone']['decode']:.0f} MiB/s; open " + " ".join(f"{s}={res['open_ms'][s]:.1f}" for s in SYSTEMS)
                 + " ms; tensor-parallel daemon CPU " + " ".join(
                     f"{s}={res['tp_cpu_s'][s][1]:.2f}/{res['tp_cpu_s'][s][TP_WORLD]:.2f}s"
                     for s in KLLMS)

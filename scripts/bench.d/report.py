@@ -164,7 +164,7 @@ class Report:
         self.lines.append(line)
 
     def text(self):
-        for section in (self.header, self.load_time_targets, self.other_targets,
+        for section in (self.header, self.load_time_targets, self.decode_floor, self.other_targets,
                         self.true_cold, self.sharded, self.loader_view, self.engine_start,
                         self.page_cache_throughput, self.open_first_byte, self.tensor_parallel,
                         self.integrity, self.mount_ready, self.daemon_memory,
@@ -235,6 +235,56 @@ class Report:
             lambda s: p.sharded("delayed", s), lambda x: x >= 1.0)
         self.first_byte_rows()
         self.engine_rows()
+        w("")
+
+    def decode_floor(self):
+        """How close each read target lets a design get. A read that decodes as it is served
+        does at least the decode alone (bench.py's `decode_alone`, all cores) and, when it
+        copies the bytes out, the reader's copy (the raw page-cache read's CPU, spread over
+        the cores), on the same cores: peer time / that floor is the most any design reaches
+        against that peer on this machine."""
+        w, p, b, rounds = self.w, self.p, self.b, self.rounds
+        if not all("decode_alone" in r["datasets"][ds] for r in rounds for ds in b.data):
+            return
+        cores = self.info["cores"]
+
+        def ceilings(ds, key, peer, copy):
+            out = []
+            for r in rounds:
+                res = r["datasets"][ds]
+                d, rate = res["decode_alone"], res[key].get(peer)
+                reader = res["cpu_s_per_gib"].get("raw", 0.0) * d["mib"] / 1024 if copy else 0.0
+                if rate:
+                    out.append(d["mib"] / (d["mib"] / d["decode"] + reader / cores) / rate)
+            return out
+
+        w("## The floor under a read that decodes")
+        w("")
+        w("`bench-shard decode` (once a round, best of 2): the sealed shard read into memory "
+          "first, then its data unlocked in place in 8 MiB chunks on all cores as a fill does, "
+          "with no I/O, no FUSE and no fresh pages. A read that decodes as it is served does at "
+          "least that work, plus the reader's own copy of the bytes (the CPU of the raw "
+          "page-cache read, spread over the cores; none for mmap page-touch), on the same "
+          f"{cores} cores. The peer's time over that floor, paired round by round, is the "
+          "ratio no design reaches past on this machine; under the target, the target needs "
+          "the decode done before the read (decode ahead: the delayed rows).")
+        w("")
+        w("| data set | decode alone, MiB/s | figure | target | ceiling | kllm | kllm-fuse |")
+        w("|---|---:|---|---|---:|---:|---:|")
+        for ds in b.data:
+            rate = med([r["datasets"][ds]["decode_alone"]["decode"] for r in rounds])
+            for figure, target, key, peer, copy in (
+                    ("true cold, full read / plain file read from disk", ">= 0.8x",
+                     "cold_disk", "raw", True),
+                    ("files cached, sequential read vs bindfs", ">= 1.0x", "seq", "bindfs", True),
+                    ("files cached, sequential read vs gocryptfs", ">= 1.5x", "seq", "gocryptfs",
+                     True),
+                    ("files cached, mmap page-touch vs bindfs", ">= 1.0x", "mmap", "bindfs", False),
+                    ("files cached, 4 concurrent readers vs bindfs", ">= 1.0x", "conc", "bindfs",
+                     True)):
+                w(f"| {ds} | {rate:.0f} | {figure} | {target} | "
+                  f"{fmt_ratio(ceilings(ds, key, peer, copy))} | "
+                  + " | ".join(fmt_ratio(p.of(ds, key, s, key, peer)) for s in KLLMS) + " |")
         w("")
 
     def first_byte_rows(self):
