@@ -14,7 +14,9 @@ Per round, for each data set (a lock-v2 BF16 shard, a lock-v1 F32/F8 shard):
    round by round: mount it fresh, measure (the open included), unmount. Right after the
    sequential read the same file is read again through the same mount: the reopen. Then,
    each on a fresh mount: open() and first-byte time; a tensor-parallel load (4 processes
-   vs 1) with the daemon's CPU time; a read with the manifest checked and not.
+   vs 1) with the daemon's CPU time; a read with the manifest checked and not. And the
+   decode alone (`bench-shard decode`: the sealed shard unlocked in memory on all cores),
+   the floor under any read that decodes as it serves (report.py: each target's ceiling).
 2. True cold (loadtime.py): caches dropped before each mount; the whole shard read, the
    first 4 KiB timed apart; the same after 5 s between mount and open; on the v2 set, a
    loader's view (header, then every tensor by pread, mmap, O_DIRECT, io_uring).
