@@ -65,6 +65,7 @@ class Bench:
         self.ready_sets = []
         self.engine_rounds = []
         self.engines = None
+        self.log_start = {}  # (system, ds) -> where the current mount's lines begin in its log
 
     # --- mounting
 
@@ -74,19 +75,28 @@ class Bench:
     def kllm_log(self, system, ds):
         return os.path.join(self.work, "logs", f"{system}-{ds}.log")
 
-    def last_decode_ms(self, system, ds):
-        """The daemon's own time for its last whole-shard decode (passthrough), from its
-        debug log line "decoded N bytes in T"."""
+    def last_decode_ms(self, system, ds, wait_s=10.0):
+        """This mount's time for its whole-shard decode (passthrough), from the daemon's debug
+        log line "decoded N bytes in T", waiting up to `wait_s` for the copy to complete. The
+        log file gathers every mount of `system` on `ds`: only what this mount wrote counts
+        (an earlier mount's line is not this one's)."""
         import re
-        try:
-            with open(self.kllm_log(system, ds), errors="replace") as f:
-                hits = re.findall(r"decoded \d+ bytes in ([0-9.]+)(ns|µs|us|ms|s)\b", f.read())
-        except OSError:
-            return None
-        if not hits:
-            return None
-        value, unit = hits[-1]
-        return float(value) * {"ns": 1e-6, "µs": 1e-3, "us": 1e-3, "ms": 1.0, "s": 1e3}[unit]
+        start = self.log_start.get((system, ds), 0)
+        deadline = time.monotonic() + wait_s
+        while True:
+            try:
+                with open(self.kllm_log(system, ds), "rb") as f:
+                    f.seek(start)
+                    text = f.read().decode(errors="replace")
+            except OSError:
+                return None
+            hits = re.findall(r"decoded \d+ bytes in ([0-9.]+)(ns|µs|us|ms|s)\b", text)
+            if hits:
+                value, unit = hits[-1]
+                return float(value) * {"ns": 1e-6, "µs": 1e-3, "us": 1e-3, "ms": 1.0, "s": 1e3}[unit]
+            if time.monotonic() > deadline:
+                return None
+            time.sleep(0.02)
 
     def daemon_pid(self, mnt):
         return kllm_status(mnt)["pid"]
@@ -97,9 +107,11 @@ class Bench:
         os.makedirs(mnt, exist_ok=True)
         unmount(mnt)
         if system in KLLM_MODES:
+            log_file = self.kllm_log(system, ds)
+            self.log_start[(system, ds)] = os.path.getsize(log_file) if os.path.exists(log_file) else 0
             mode = KLLM_MODES[system]
             cmd = [KLLM, d["sealed"], mnt, "--key", d["key"], *(["--mode", mode] if mode else []),
-                   "--log-file", self.kllm_log(system, ds), *self.kllm_opts, *extra]
+                   "--log-file", log_file, *self.kllm_opts, *extra]
             if cache_size is None and system == "kllm":
                 # default: kllm-mount's own (--kllm-cache-size changes it)
                 cache_size = self.a.kllm_cache_size
