@@ -56,6 +56,10 @@ const PREFETCH_STEP: u64 = 16 << 20;
 /// comes in soon over a link they share; each doubling costs one fetch's time where every
 /// connection has a bandwidth of its own (S3), about two fetch times per fill.
 const FIRST_FETCHES: usize = 4;
+/// Chunk fetches in flight for a local file: the disk's next chunks read while the cores
+/// unlock the ones before, so neither waits on the other chunk by chunk
+/// (docs/PERFORMANCE.md, "True cold: the sealed read, then the decode").
+const LOCAL_FETCH_AHEAD: usize = 4;
 /// The start of a file that decode ahead never makes of `Steps::ahead_cached` folios: an
 /// open that comes with the mount waits for the first chunk, and the second's memory is
 /// allocated beside the first one's unlock.
@@ -246,6 +250,10 @@ struct State {
     /// fetchers, in the order they take them.
     fetches: Vec<Fetch>,
     queued: VecDeque<usize>,
+    /// Chunks being unlocked each as a task of its own (`Inner::unlock_beside`), and how
+    /// many of those failed.
+    unlocking: usize,
+    failed_beside: usize,
 }
 
 /// A chunk's fetch when many run at once.
@@ -272,6 +280,8 @@ struct Inner {
     changed: Condvar,
     /// Wakes the fetchers (a chunk queued, the fill over) and the dispatcher (a fetch in).
     fetch_moved: Condvar,
+    /// Held by a fetcher of decode ahead for its chunk's reads of a disk (`fetch_chunk`).
+    background_read: Mutex<()>,
     started: Instant,
     label: String,
     /// The file's verdict is not in: its check runs on a thread of its own, waiting for the
@@ -342,8 +352,11 @@ impl Fill {
                 tids: Vec::new(),
                 fetches: vec![Fetch::Idle; n],
                 queued: VecDeque::new(),
+                unlocking: 0,
+                failed_beside: 0,
             }),
             changed: Condvar::new(),
+            background_read: Mutex::new(()),
             fetch_moved: Condvar::new(),
             started: Instant::now(),
             label,
@@ -467,7 +480,8 @@ impl Fill {
         // Any other source by its own reads, as many at once as it gains from.
         let fetch_ahead = match (&local, &object) {
             (None, Some(o)) => o.parallel_reads().max(1),
-            _ => 1,
+            (Some(_), _) => LOCAL_FETCH_AHEAD,
+            (None, None) => 1,
         };
         // Sealed bytes from the disk or a remote source are hashed as the fill brings them
         // in, each chunk's beside the unlock of the chunk before: read once, for the copy
@@ -730,6 +744,11 @@ impl Inner {
         // The disk is asked about only while decoding ahead (a fill someone waits for
         // reads whole chunks whoever else reads the disk).
         let ahead = || self.state.lock().priority == Priority::Ahead;
+        // Decode ahead's fetchers take turns on a disk others may read, a chunk each, as
+        // one fetcher would: its looks answer for the time since the one before, and each
+        // read in flight is one more that an engine's own reads wait behind.
+        let _turn =
+            (self.source.disk_shared.is_some() && ahead()).then(|| self.background_read.lock());
         let whole = buf.len();
         let look = |from: usize| {
             let len = (whole - from) as u64;
@@ -782,6 +801,13 @@ impl Inner {
         } else {
             self.decode_in_turn(&mut failures)
         };
+        {
+            let mut s = self.state.lock();
+            while s.unlocking > 0 {
+                self.changed.wait(&mut s);
+            }
+            failures += s.failed_beside;
+        }
         // The digest is given if every byte was fed (an empty file: none), else given up,
         // before the verdict is asked for.
         if let Some(mut feeder) = self.digest.lock().take() {
@@ -995,6 +1021,10 @@ impl Inner {
                     })
                     .flatten();
                 let pool = self.unlock_pool(priority, next.is_some());
+                if next.is_none() {
+                    self.unlock_beside(pool, i);
+                    continue;
+                }
                 // SAFETY: chunk `i` is Busy and its fetch is over: only this thread touches
                 // its bytes until it is marked Done or Failed.
                 let buf = unsafe { self.chunk_mut(i) };
@@ -1025,6 +1055,40 @@ impl Inner {
             self.chunk_ended(i, result, failures);
         }
         true
+    }
+
+    /// Unlock fetched chunk `i` as a task of its own on `pool` (the global pool if none), up
+    /// to one such task per thread of the pool. A chunk cut in halves across the cores
+    /// waits for its slower half, which shares a core with the reader's FUSE replies and
+    /// the fetches: the other core idles at that barrier, 15-20% of a read at once. As tasks
+    /// a core that ends its chunk takes the next one, or a piece of one still running
+    /// (docs/PERFORMANCE.md, "The decode on two cores").
+    fn unlock_beside(self: &Arc<Self>, pool: Option<&'static rayon::ThreadPool>, i: usize) {
+        let width = pool.map_or_else(rayon::current_num_threads, |p| p.current_num_threads());
+        {
+            let mut s = self.state.lock();
+            while s.unlocking >= width.max(1) {
+                self.changed.wait(&mut s);
+            }
+            s.unlocking += 1;
+        }
+        let inner = self.clone();
+        let task = move || {
+            let (a, _) = inner.range(i);
+            // SAFETY: chunk `i` is Busy and its fetch is over: only this task touches its
+            // bytes until it is marked Done or Failed.
+            let result = inner.unlock(None, a, unsafe { inner.chunk_mut(i) });
+            let mut failed = 0;
+            inner.chunk_ended(i, result, &mut failed);
+            let mut s = inner.state.lock();
+            s.unlocking -= 1;
+            s.failed_beside += failed;
+            inner.changed.notify_all();
+        };
+        match pool {
+            Some(pool) => pool.spawn(task),
+            None => rayon::spawn(task),
+        }
     }
 
     /// Wait until chunk `j`'s fetch is in (true), or it failed, the fill was cancelled or
@@ -1082,7 +1146,7 @@ impl Inner {
             let buf = unsafe { self.chunk_mut(j) };
             // A fetch that panics fails its chunk: left Running, the dispatcher would wait
             // for it forever.
-            let got = std::panic::catch_unwind(AssertUnwindSafe(|| (self.source.fetch)(c, buf)))
+            let got = std::panic::catch_unwind(AssertUnwindSafe(|| self.fetch_chunk(c, buf)))
                 .unwrap_or_else(|_| Err(io::Error::other("fetch panicked")));
             let mut s = self.state.lock();
             s.fetches[j] = match got {
@@ -1198,6 +1262,11 @@ impl Inner {
     fn allocate(&self, allocated: &mut u64, to: u64, priority: Priority) -> io::Result<()> {
         if *allocated >= to {
             return Ok(());
+        }
+        // The file's start takes its own step: a range across its end (chunks fetched
+        // ahead are allocated together) is allocated in two.
+        if *allocated < AWAITED_START && to > AWAITED_START {
+            self.allocate(allocated, AWAITED_START, priority)?;
         }
         let in_page_cache = || {
             let cached = self.source.in_page_cache.as_ref();

@@ -661,6 +661,39 @@ fn decode_ahead_waits_for_a_quiet_disk_before_each_piece() {
     assert_eq!(*events.lock(), want);
 }
 
+/// Decode ahead's fetchers take turns on a local disk, a chunk's reads at a time, as one
+/// fetcher would (an engine's reads then wait behind no more of them); a fill someone
+/// waits for reads chunks at once.
+#[test]
+fn decode_ahead_fetchers_take_turns_on_the_disk() {
+    for (priority, turns) in [(Priority::Ahead, true), (Priority::Demand, false)] {
+        let (running, most) = (Arc::new(AtomicUsize::new(0)), Arc::new(AtomicUsize::new(0)));
+        let (r2, m2) = (running.clone(), most.clone());
+        let fetch = move |off, buf: &mut [u8]| {
+            m2.fetch_max(r2.fetch_add(1, Ordering::SeqCst) + 1, Ordering::SeqCst);
+            std::thread::sleep(Duration::from_millis(5));
+            seal_into(off, buf);
+            r2.fetch_sub(1, Ordering::SeqCst);
+            Ok(())
+        };
+        let src = Input {
+            disk_shared: Some(Box::new(|_, _| DiskLook::Alone)),
+            fetch_ahead: 4,
+            ..xor_sealed(fetch)
+        };
+        let f = start(12 * CHUNK, src, priority);
+        // Waiting for the copy would urge the fill: wait for its end instead.
+        wait_until(60, "the fill's end", || f.progress() != Progress::Filling);
+        expect(0, &copy_bytes(&f.complete().expect("complete")));
+        let most = most.load(Ordering::SeqCst);
+        if turns {
+            assert_eq!(most, 1, "decode ahead: {most} fetches at once");
+        } else {
+            assert!(most > 1, "urged: one fetch at a time");
+        }
+    }
+}
+
 /// A look answers for the time since the one before. A chunk whose first look finds
 /// that others read waits before its first piece, instead of looking again at once
 /// (a look at no time at all, which always finds the disk quiet).
@@ -907,6 +940,49 @@ fn a_chunk_whose_fetch_or_unlock_panics_fails_alone() {
             assert_eq!(f.read(c * CHUNK + 11, &mut out).unwrap(), 4096);
             expect(c * CHUNK + 11, &out);
         }
+    }
+}
+
+/// With fetches ahead, each chunk is unlocked as a task of its own, one per thread of the
+/// pool at most: a slow chunk does not hold the ones after it back (they finish first and
+/// readers get them), and every byte comes out exact.
+#[test]
+fn chunks_unlock_as_tasks_of_their_own() {
+    let width = rayon::current_num_threads();
+    let (mut src, _, _) = sealed_source(4, None);
+    let (running, most) = (Arc::new(AtomicUsize::new(0)), Arc::new(AtomicUsize::new(0)));
+    let ended = Arc::new(Mutex::new(Vec::new()));
+    let (r2, m2, e2) = (running.clone(), most.clone(), ended.clone());
+    let unlock = std::mem::replace(&mut src.unlock, Box::new(|_, _| Ok(())));
+    src.unlock = Box::new(move |off, buf: &mut [u8]| {
+        m2.fetch_max(r2.fetch_add(1, Ordering::SeqCst) + 1, Ordering::SeqCst);
+        // The first chunk shares its core with other work and takes long.
+        std::thread::sleep(Duration::from_millis(if off == 0 { 400 } else { 10 }));
+        unlock(off, buf)?;
+        e2.lock().push(off / CHUNK);
+        r2.fetch_sub(1, Ordering::SeqCst);
+        Ok(())
+    });
+    let n = 8;
+    let f = start(n * CHUNK, src, Priority::Demand);
+    let mut out = vec![0u8; 4096];
+    f.read(CHUNK + 7, &mut out).unwrap();
+    expect(CHUNK + 7, &out);
+    let m = f.wait_complete(Duration::from_secs(60)).expect("complete");
+    expect(0, &copy_bytes(&m));
+    let most = most.load(Ordering::SeqCst);
+    assert!(
+        most <= width,
+        "{most} chunks unlocking at once on {width} threads"
+    );
+    let ended = ended.lock().clone();
+    assert_eq!(ended.len(), n as usize);
+    if width > 1 {
+        assert!(most > 1, "one chunk unlocking at a time on {width} threads");
+        assert_ne!(
+            ended[0], 0,
+            "the chunks after the slow first one waited for it: {ended:?}"
+        );
     }
 }
 
