@@ -951,11 +951,16 @@ impl Inner {
                     .then_some(i)
                     .into_iter()
                     .collect();
-                let room = self
-                    .source
-                    .fetch_ahead
-                    .min(ramp)
-                    .saturating_sub(running + jobs.len());
+                // Decode ahead of a local file fetches only the next chunk beside each
+                // unlock, as a fill of one fetch at a time would: an open that urges the
+                // fill then finds one fetch, not several, beside the unlock it waits for
+                // (which runs on the background pool to its end).
+                let most = if s.priority == Priority::Ahead && self.source.disk_shared.is_some() {
+                    2
+                } else {
+                    self.source.fetch_ahead
+                };
+                let room = most.min(ramp).saturating_sub(running + jobs.len());
                 ramp = ramp.saturating_mul(2);
                 jobs.extend(
                     (i + 1..n)
@@ -969,18 +974,25 @@ impl Inner {
             };
             let (a, b) = self.range(i);
             let top = jobs.iter().max().map_or(b, |&j| self.range(j).1.max(b));
+            // Chunk `i`'s memory first and its fetch on its way, then the memory of the
+            // chunks fetched after it: the wait for chunk `i` is not the allocation of
+            // them all (32 MiB of fresh pages before a first byte).
             let mut result = self
-                .allocate(&mut allocated, top, priority)
+                .allocate(&mut allocated, b, priority)
                 .map_err(ReadError::Io);
+            if result.is_ok() && jobs.contains(&i) {
+                let mut s = self.state.lock();
+                s.queued.push_front(i);
+                self.fetch_moved.notify_all();
+            }
+            let rest = result.is_ok() && self.allocate(&mut allocated, top, priority).is_ok();
             {
                 let mut s = self.state.lock();
-                for &j in jobs.iter().rev() {
-                    if result.is_err() {
-                        s.fetches[j] = Fetch::Idle;
-                    } else if j == i {
-                        s.queued.push_front(j);
-                    } else {
+                for &j in jobs.iter().filter(|&&j| j != i || result.is_err()) {
+                    if rest {
                         s.queued.push_back(j);
+                    } else {
+                        s.fetches[j] = Fetch::Idle;
                     }
                 }
                 self.fetch_moved.notify_all();
@@ -1021,7 +1033,9 @@ impl Inner {
                     })
                     .flatten();
                 let pool = self.unlock_pool(priority, next.is_some());
-                if next.is_none() {
+                // Only for a fill someone waits for: chunks in flight on the background pool
+                // when an open urges the fill would hold its first chunks behind them.
+                if next.is_none() && priority == Priority::Demand {
                     self.unlock_beside(pool, i);
                     continue;
                 }
