@@ -459,10 +459,16 @@ pub fn verify_all(
             .filter_map(check_one)
             .min_by_key(|(index, _)| *index)
     };
+    // A pool of its own, never rayon's global one: a check before the daemon forks would
+    // leave the daemon a global pool without threads (see `sealed::verify_now`).
     let pool = rayon::ThreadPoolBuilder::new().num_threads(threads).build();
     let found = match &pool {
         Ok(pool) => pool.install(run),
-        Err(_) => run(),
+        Err(_) => checks
+            .iter()
+            .enumerate()
+            .filter_map(check_one)
+            .min_by_key(|(index, _)| *index),
     };
     match found {
         None => Ok(()),

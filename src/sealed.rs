@@ -426,16 +426,20 @@ fn verify_now(view: &View) -> Result<()> {
         .sum();
     let progress = crate::progress::Progress::new("verifying");
     let done = std::sync::atomic::AtomicU64::new(0);
-    let results: Vec<_> = files
-        .par_iter()
-        .map(|(_, ino)| {
-            let r = view.verify(*ino);
-            let size = view.node(*ino).map_or(0, |n| n.attr.size);
-            let now = done.fetch_add(size, std::sync::atomic::Ordering::Relaxed) + size;
-            progress.update(now, total);
-            r
-        })
-        .collect();
+    let check = |(_, ino): &(String, Ino)| {
+        let r = view.verify(*ino);
+        let size = view.node(*ino).map_or(0, |n| n.attr.size);
+        let now = done.fetch_add(size, std::sync::atomic::Ordering::Relaxed) + size;
+        progress.update(now, total);
+        r
+    };
+    // On a pool of its own, not rayon's global one: this runs before the daemon forks, and
+    // a global pool started here would have no threads in the daemon, where every decode
+    // handed to it would wait forever.
+    let results: Vec<_> = match rayon::ThreadPoolBuilder::new().build() {
+        Ok(pool) => pool.install(|| files.par_iter().map(check).collect()),
+        Err(_) => files.iter().map(check).collect(),
+    };
     progress.finish();
     for ((rel, _), r) in files.iter().zip(results) {
         if let Err(e) = r {
