@@ -119,6 +119,34 @@ fn untouched_files_are_verified_and_served_in_each_mode() {
     }
 }
 
+/// `--verify mount` hashes before the daemon forks. Shards large enough that a read decodes
+/// on all cores are then served in both modes: the hash must not leave the daemon a thread
+/// pool without threads (a hang on the first such read until this was fixed).
+#[test]
+fn after_verify_mount_large_shards_are_served_in_each_mode() {
+    let s = Fixture::new(KEY, 1024, 2);
+    s.write_manifest(&s.sealed().join(manifest::FILE_NAME));
+    let largest = s.view.iter().map(|(_, v)| v.len()).max().unwrap();
+    assert!(largest >= 4 << 20, "largest file {largest} bytes");
+    for mode in MODES {
+        let m = Mnt::new();
+        s.mount(&m, &["--mode", mode, "--verify", "mount"]);
+        let (tx, rx) = std::sync::mpsc::channel();
+        let (files, root) = (s.view.clone(), m.mp.clone());
+        std::thread::spawn(move || {
+            for (rel, want) in &files {
+                let _ = tx.send((rel.clone(), &fs::read(root.join(rel)).unwrap() == want));
+            }
+        });
+        for _ in 0..s.view.len() {
+            let (rel, same) = rx
+                .recv_timeout(std::time::Duration::from_secs(120))
+                .unwrap_or_else(|_| panic!("{mode}: a read did not return in 120 s"));
+            assert!(same, "{mode}: {rel}");
+        }
+    }
+}
+
 #[test]
 fn the_real_kllm_manifest_guards_its_model() {
     let fixtures = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures");
