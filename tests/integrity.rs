@@ -126,7 +126,7 @@ fn untouched_files_are_verified_and_served_in_each_mode() {
 fn after_verify_mount_large_shards_are_served_in_each_mode() {
     let s = Fixture::new(KEY, 1024, 2);
     s.write_manifest(&s.sealed().join(manifest::FILE_NAME));
-    let largest = s.view.iter().map(|(_, v)| v.len()).max().unwrap();
+    let largest = s.view.values().map(|v| v.len()).max().unwrap();
     assert!(largest >= 4 << 20, "largest file {largest} bytes");
     for mode in MODES {
         let m = Mnt::new();
