@@ -60,6 +60,9 @@ const FIRST_FETCHES: usize = 4;
 /// unlock the ones before, so neither waits on the other chunk by chunk
 /// (docs/PERFORMANCE.md, "True cold: the sealed read, then the decode").
 const LOCAL_FETCH_AHEAD: usize = 4;
+/// Chunk fetches in flight while a local file decodes ahead: the chunk unlocked and the next
+/// one, as a fill of one fetch at a time has them.
+const LOCAL_FETCH_AHEAD_IN_BACKGROUND: usize = 2;
 /// The start of a file that decode ahead never makes of `Steps::ahead_cached` folios: an
 /// open that comes with the mount waits for the first chunk, and the second's memory is
 /// allocated beside the first one's unlock.
@@ -956,7 +959,7 @@ impl Inner {
                 // fill then finds one fetch, not several, beside the unlock it waits for
                 // (which runs on the background pool to its end).
                 let most = if s.priority == Priority::Ahead && self.source.disk_shared.is_some() {
-                    2
+                    LOCAL_FETCH_AHEAD_IN_BACKGROUND
                 } else {
                     self.source.fetch_ahead
                 };
