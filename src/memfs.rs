@@ -264,20 +264,6 @@ pub fn allocate_range(file: &File, from: u64, to: u64, step: u64) -> io::Result<
     Ok(())
 }
 
-/// Fault in the pages of `mem` (a shared mapping of our memory file) for writing, so that
-/// a later write finds them cleared and mapped. Without `MADV_POPULATE_WRITE` (Linux 5.14+)
-/// the writer faults them in itself.
-pub fn fault_in(mem: &mut [u8]) {
-    // SAFETY: advice on memory we hold exclusively; populating leaves its bytes as they are.
-    unsafe {
-        libc::madvise(
-            mem.as_mut_ptr().cast(),
-            mem.len(),
-            libc::MADV_POPULATE_WRITE,
-        )
-    };
-}
-
 /// Hand back a read-only descriptor of a filled file: the writable one is closed, and the
 /// file's mode no longer lets anyone open it for writing.
 pub fn seal(file: File) -> io::Result<MemoryFile> {
@@ -369,24 +355,6 @@ pub(crate) mod tests {
             assert!(std::time::Instant::now() < deadline, "{what}");
             std::thread::sleep(std::time::Duration::from_millis(20));
         }
-    }
-
-    #[test]
-    fn faulting_in_leaves_the_bytes_as_they_are() {
-        let Some(mem) = memory_fs(16 << 20) else {
-            return;
-        };
-        let file = mem.create().unwrap();
-        let len = (4 << 20) + 4097;
-        allocate_range(&file, 0, len as u64, mem.pages().step()).unwrap();
-        file.write_all_at(&[7u8; 12345], 1 << 20).unwrap();
-        // SAFETY: the file is this test's own; nothing else maps or resizes it.
-        let mut map = unsafe { memmap2::MmapOptions::new().len(len).map_mut(&file).unwrap() };
-        fault_in(&mut map[..]);
-        assert!(map[..1 << 20].iter().all(|&b| b == 0));
-        assert!(map[1 << 20..(1 << 20) + 12345].iter().all(|&b| b == 7));
-        assert!(map[(1 << 20) + 12345..].iter().all(|&b| b == 0));
-        assert!(mem.used().unwrap() >= len as u64);
     }
 
     #[test]

@@ -138,11 +138,6 @@ pub struct Input {
     pub decode: Box<DecodeFn>,
     pub check: Option<Arc<CheckFn>>,
     pub prefetch: Option<Box<PrefetchFn>>,
-    /// Whether `fetch` writes `[off, off + len)` of the copy by DMA (`O_DIRECT`). Such a
-    /// chunk's fresh pages are faulted in a chunk ahead, on another core: a DMA read
-    /// first waits for every page to be cleared. A CPU copy is left to clear each page as
-    /// it writes it, while the page is in the cache.
-    pub fetch_is_dma: Box<RangeFn>,
     /// Whether other processes read the disk that `fetch` of `[off, off + len)` reads
     /// from, since it was last asked: decode ahead then fetches in pieces of
     /// `BACKGROUND_PIECE`, each once the disk is quiet (`disk_share::yield_to_others`). `None`:
@@ -152,9 +147,10 @@ pub struct Input {
     /// decode ahead copies them at memory speed, so it has time to take the folios that
     /// are dear to touch (`Steps::ahead_cached`). `None`: never (any other source).
     pub in_page_cache: Option<Box<RangeFn>>,
-    /// How many chunks may be fetched at once, each by its own thread straight into its
-    /// place, ahead of the unlock (a remote source: many GETs in flight). 1: the next chunk
-    /// is fetched beside the unlock of the current one.
+    /// How many chunks may be fetched at once, each by a fetcher thread straight into its
+    /// place, ahead of the unlock (a local disk: a few; a remote source: many GETs in
+    /// flight). 1: one fetch at a time, none beside an unlock (a source with nothing to
+    /// fetch).
     pub fetch_ahead: usize,
     /// Fed each chunk's fetched (sealed) bytes in file order, so the file's check need not
     /// read them again. Given up if chunks come out of order (they do not before the
@@ -180,7 +176,6 @@ impl Input {
             decode: Box::new(move |off, buf| make(off, buf)),
             check: None,
             prefetch: None,
-            fetch_is_dma: Box::new(|_, _| false),
             disk_shared: None,
             in_page_cache: None,
             fetch_ahead: 1,
@@ -249,8 +244,8 @@ struct State {
     cancelled: bool,
     /// Threads working for this fill, moved to the normal policy when it is urged.
     tids: Vec<libc::pid_t>,
-    /// With `Input::fetch_ahead` > 1: each chunk's fetch, and the chunks queued for the
-    /// fetchers, in the order they take them.
+    /// Each chunk's fetch, and the chunks queued for the fetchers, in the order they take
+    /// them.
     fetches: Vec<Fetch>,
     queued: VecDeque<usize>,
     /// Chunks being unlocked each as a task of its own (`Inner::unlock_beside`), and how
@@ -382,14 +377,12 @@ impl Fill {
                 i.prefetch();
             })?;
         }
-        if inner.source.fetch_ahead > 1 {
-            for _ in 0..inner.source.fetch_ahead.min(n) {
-                let i = inner.clone();
-                spawn("kllm-fetch", move || {
-                    let _enlisted = Inner::enlist(&Arc::downgrade(&i));
-                    i.fetcher();
-                })?;
-            }
+        for _ in 0..inner.source.fetch_ahead.max(1).min(n) {
+            let i = inner.clone();
+            spawn("kllm-fetch", move || {
+                let _enlisted = Inner::enlist(&Arc::downgrade(&i));
+                i.fetcher();
+            })?;
         }
         let i = inner.clone();
         spawn("kllm-fill", move || {
@@ -436,13 +429,6 @@ impl Fill {
                 None => None,
             },
             None => None,
-        };
-        let fetch_is_dma: Box<RangeFn> = match &local {
-            Some(r) => {
-                let r = r.clone();
-                Box::new(move |off, len| r.reads_direct(off, len))
-            }
-            None => Box::new(|_, _| false),
         };
         // Decode ahead yields the disk to other readers, when it reads the disk at all (not
         // sealed bytes in the page cache); where the disk's statistics are not to be had
@@ -518,7 +504,6 @@ impl Fill {
             decode: Box::new(decode),
             check,
             prefetch,
-            fetch_is_dma,
             disk_shared,
             in_page_cache,
             fetch_ahead,
@@ -799,11 +784,7 @@ impl Inner {
     /// beside them when the disk writes it by DMA.
     fn dispatch(self: &Arc<Self>) {
         let mut failures = 0usize;
-        let finished = if self.source.fetch_ahead > 1 {
-            self.decode_fetched_ahead(&mut failures)
-        } else {
-            self.decode_in_turn(&mut failures)
-        };
+        let finished = self.decode_chunks(&mut failures);
         {
             let mut s = self.state.lock();
             while s.unlocking > 0 {
@@ -821,112 +802,10 @@ impl Inner {
         }
     }
 
-    /// Every chunk, each fetched on this thread beside the unlock of the one before; false
-    /// when the fill was cancelled.
-    fn decode_in_turn(self: &Arc<Self>, failures: &mut usize) -> bool {
-        let mut allocated = 0;
-        let mut fetched = vec![false; self.state.lock().chunks.len()];
-        // The chunk whose sealed bytes the digest took beside the unlock before.
-        let mut hashed_ahead = None;
-        loop {
-            let (i, next, then, priority) = {
-                let mut s = self.state.lock();
-                if s.cancelled {
-                    return false;
-                }
-                let Some(i) = s.take_next_chunk() else { break };
-                self.changed.notify_all();
-                let next = s.peek_next();
-                // The chunk after the next, if readers leave the decoder in file order.
-                let then = next
-                    .map(|j| j + 1)
-                    .filter(|&k| s.chunks.get(k) == Some(&Chunk::Pending));
-                (i, next, then, s.priority)
-            };
-            let (a, b) = self.range(i);
-            let mut result = self
-                .allocate(&mut allocated, b, priority)
-                .map_err(ReadError::Io);
-            if result.is_ok() && !fetched[i] {
-                // SAFETY: chunk `i` is Busy: only this thread touches its bytes until it
-                // is marked Done or Failed below.
-                result = self
-                    .fetch_chunk(a, unsafe { self.chunk_mut(i) })
-                    .map_err(ReadError::Io);
-            }
-            fetched[i] = false;
-            if hashed_ahead != Some(i) {
-                // SAFETY: as above; read before the unlock turns the bytes into view bytes.
-                self.feed_digest(result.is_ok(), a, unsafe { self.chunk_mut(i) });
-            }
-            hashed_ahead = None;
-            if result.is_ok() {
-                // The next chunk is Pending and only this thread writes chunks: its memory
-                // is free to allocate and its bytes to fetch while chunk `i` is unlocked.
-                // With a digest to feed, the next chunk is hashed then, while the chunk
-                // after it is fetched on a thread of its own: fetch, hash and unlock of
-                // three chunks at once, where the hash, one stream on one core, is as long
-                // as the unlock.
-                let hashing = self.digest.lock().is_some();
-                let hash_next = next.filter(|_| hashing);
-                let then = then.filter(|&k| {
-                    let (e, f) = self.range(k);
-                    next.is_some()
-                        && !fetched[k]
-                        && (hashing || (self.source.fetch_is_dma)(e, f - e))
-                });
-                let next = next.filter(|&j| !fetched[j]);
-                // SAFETY: as above; `i` and `next` are different chunks.
-                let buf = unsafe { self.chunk_mut(i) };
-                result = std::thread::scope(|scope| {
-                    let pool = self.unlock_pool(priority, hash_next.is_some());
-                    let unlocking = scope.spawn(move || self.unlock(pool, a, buf));
-                    let then = then.filter(|&k| {
-                        self.allocate(&mut allocated, self.range(k).1, priority)
-                            .is_ok()
-                    });
-                    if let Some(k) = then.filter(|_| !hashing) {
-                        // Chunk `k` is Pending: nothing reads or writes it until this
-                        // thread takes it, and faulting pages in leaves their bytes as they
-                        // are.
-                        // SAFETY: see above; `k` differs from `i` and `next`.
-                        let mem = unsafe { self.chunk_mut(k) };
-                        scope.spawn(move || crate::memfs::fault_in(mem));
-                    }
-                    if let Some(j) = next {
-                        let (c, d) = self.range(j);
-                        fetched[j] = self.allocate(&mut allocated, d, priority).is_ok()
-                            // SAFETY: see above; the chunk's memory is allocated.
-                            && self.fetch_chunk(c, unsafe { self.chunk_mut(j) }).is_ok();
-                    }
-                    let fetching = then.filter(|_| hashing).map(|k| {
-                        let at = self.range(k).0;
-                        // SAFETY: see above; `k` differs from `i` and the next chunk, and
-                        // its memory is allocated.
-                        let mem = unsafe { self.chunk_mut(k) };
-                        (k, scope.spawn(move || self.fetch_chunk(at, mem).is_ok()))
-                    });
-                    if let Some(j) = hash_next.filter(|&j| fetched[j]) {
-                        // SAFETY: see above; hashing only reads the fetched bytes.
-                        if self.feed_digest(true, self.range(j).0, unsafe { self.chunk_mut(j) }) {
-                            hashed_ahead = Some(j);
-                        }
-                    }
-                    if let Some((k, f)) = fetching {
-                        fetched[k] = f.join().unwrap_or(false);
-                    }
-                    unlocking.join().unwrap_or_else(|_| Err(decode_panicked()))
-                });
-            }
-            self.chunk_ended(i, result, failures);
-        }
-        true
-    }
-
     /// Every chunk, fetched by the fetcher threads up to `fetch_ahead` at once from the
     /// chunk decoded on (the chunk decoded first in the queue), each unlocked here once its
     /// fetch is in while the fetchers go on; false when the fill was cancelled.
-    fn decode_fetched_ahead(self: &Arc<Self>, failures: &mut usize) -> bool {
+    fn decode_chunks(self: &Arc<Self>, failures: &mut usize) -> bool {
         let mut allocated = 0;
         let n = self.len.div_ceil(CHUNK) as usize;
         // Fetches in flight start at a few and double with each chunk decoded: all of them
@@ -1360,17 +1239,6 @@ impl Inner {
 }
 
 impl State {
-    /// The chunk `next_chunk` would give now, without taking it.
-    fn peek_next(&self) -> Option<usize> {
-        let pending = |i: &usize| self.chunks[*i] == Chunk::Pending;
-        let n = self.chunks.len();
-        self.wanted
-            .iter()
-            .copied()
-            .find(pending)
-            .or_else(|| (self.cursor..n).chain(0..self.cursor.min(n)).find(pending))
-    }
-
     /// The chunk to decode next (wanted ones first, else in order from the cursor), marked
     /// Busy with the cursor past it.
     fn take_next_chunk(&mut self) -> Option<usize> {

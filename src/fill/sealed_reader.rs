@@ -91,7 +91,7 @@ impl SealedReader {
 
     /// Whether `read` brings `[off, off + len)` (into aligned memory) from the disk by
     /// `O_DIRECT`.
-    pub(super) fn reads_direct(&self, off: u64, len: u64) -> bool {
+    fn reads_direct(&self, off: u64, len: u64) -> bool {
         self.direct.is_some()
             && off.is_multiple_of(DIRECT_ALIGN)
             && len >= DIRECT_ALIGN

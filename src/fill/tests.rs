@@ -553,7 +553,6 @@ fn sealed_source(
     };
     let src = Input {
         // With one fetch at a time, the chunk after the next is faulted in beside it.
-        fetch_is_dma: Box::new(|_, _| true),
         fetch_ahead,
         ..xor_sealed(fetch)
     };
