@@ -7,7 +7,7 @@ use std::os::fd::{FromRawFd, OwnedFd};
 use std::path::{Path, PathBuf};
 use std::sync::mpsc;
 use std::sync::Arc;
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use fuser::{Config, MountOption, SessionACL};
 
@@ -351,12 +351,44 @@ fn detach(mountpoint: &Path) -> std::io::Result<()> {
     }
 }
 
+/// Threads of this process, from `/proc/self/status` (`None` where it cannot be read).
+fn threads_now() -> Option<usize> {
+    let status = std::fs::read_to_string("/proc/self/status").ok()?;
+    status
+        .lines()
+        .find_map(|l| l.strip_prefix("Threads:"))
+        .and_then(|n| n.trim().parse().ok())
+}
+
+/// Wait up to `limit` for this process to be down to one thread; the count left when not.
+/// Where the count cannot be read, go on.
+fn wait_single_threaded(limit: Duration) -> std::result::Result<(), usize> {
+    let deadline = Instant::now() + limit;
+    loop {
+        match threads_now() {
+            None | Some(1) => return Ok(()),
+            Some(n) if Instant::now() >= deadline => return Err(n),
+            Some(_) => std::thread::sleep(Duration::from_millis(2)),
+        }
+    }
+}
+
 /// Fork a daemon that mounts and serves, then exits. The parent returns once the mount
 /// answers, or with the daemon's error. No thread exists then (a remote source's I/O
 /// threads are stopped first, and started again on their next use), so forking is safe.
 pub fn daemonize(settings: &Settings, served: Served) -> Result<()> {
     #[cfg(feature = "remote")]
     crate::source::remote::quiesce_for_fork();
+    // A thread alive at the fork is gone in the daemon, with whatever it held or was to do
+    // (a rayon pool started before the fork left every decode handed to it waiting forever,
+    // `--verify mount`'s hash once did): refuse to fork rather than start a daemon that
+    // hangs. Threads of pools already dropped are let finish exiting first.
+    wait_single_threaded(Duration::from_secs(5)).map_err(|n| {
+        Error::new(format!(
+            "cannot start the daemon: {n} threads still run before the fork (a bug); \
+             -f serves in the foreground"
+        ))
+    })?;
     let mut fds = [0i32; 2];
     // SAFETY: pipe2 fills two descriptors we then own.
     if unsafe { libc::pipe2(fds.as_mut_ptr(), libc::O_CLOEXEC) } != 0 {
@@ -418,5 +450,30 @@ pub fn daemonize(settings: &Settings, served: Served) -> Result<()> {
                 )),
             }
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The count sees threads that run (the harness's main thread, this test's, and three
+    /// more), and the wait for one thread gives up on them.
+    #[test]
+    fn running_threads_hold_the_fork_back() {
+        let (stop, stopped) = mpsc::channel::<()>();
+        let stopped = Arc::new(std::sync::Mutex::new(stopped));
+        let threads: Vec<_> = (0..3)
+            .map(|_| {
+                let stopped = stopped.clone();
+                std::thread::spawn(move || {
+                    let _ = stopped.lock().map(|r| r.recv());
+                })
+            })
+            .collect();
+        let left = wait_single_threaded(Duration::from_millis(20)).unwrap_err();
+        assert!(left >= 5, "{left} threads");
+        drop(stop);
+        threads.into_iter().for_each(|t| t.join().unwrap());
     }
 }
