@@ -290,12 +290,8 @@ pub fn seal_dir(
             && (parent.is_empty() || (pipeline && SECRET_DIRS.contains(&parent)));
         let from = src.join(&rel);
         if secret {
-            secrets.push(Tensor {
-                name: format!("file/{}", rel.to_string_lossy()),
-                dtype: Dtype::U8,
-                shape: vec![fs::metadata(&from).map_err(|e| Error::at(&from, e))?.len() as usize],
-                data: fs::read(&from).map_err(|e| Error::at(&from, e))?,
-            });
+            let data = fs::read(&from).map_err(|e| Error::at(&from, e))?;
+            secrets.push((rel.to_string_lossy().into_owned(), data));
             continue;
         }
         let to = dst.join(&rel);
@@ -320,19 +316,7 @@ pub fn seal_dir(
         cfg["kllm"] = seal;
         write_json(&path, &cfg)?;
     }
-    let payload = if secrets.is_empty() {
-        safetensors_bytes(
-            &[Tensor {
-                name: "_empty".into(),
-                dtype: Dtype::F32,
-                shape: vec![0],
-                data: vec![],
-            }],
-            &serde_json::Map::new(),
-        )
-    } else {
-        safetensors_bytes(&secrets, &serde_json::Map::new())
-    };
+    let payload = secrets_payload(&secrets);
     let blob_path = dst.join(blob::FILE_NAME);
     fs::write(&blob_path, blob::seal(&payload, key, salt, blob::MAX_CHUNK))
         .map_err(|e| Error::at(&blob_path, e))?;
@@ -340,6 +324,30 @@ pub fn seal_dir(
         lock_dir(dst, key, v)?;
     }
     Ok(())
+}
+
+/// The payload `trusted.kllm` seals: each secret file (its path in the model, its bytes) as
+/// a `U8` tensor named `file/<path>`; with none, one empty `_empty` tensor, as kLLM writes.
+pub fn secrets_payload<S: AsRef<str>>(files: &[(S, Vec<u8>)]) -> Vec<u8> {
+    let tensors: Vec<Tensor> = if files.is_empty() {
+        vec![Tensor {
+            name: "_empty".into(),
+            dtype: Dtype::F32,
+            shape: vec![0],
+            data: vec![],
+        }]
+    } else {
+        files
+            .iter()
+            .map(|(path, data)| Tensor {
+                name: format!("file/{}", path.as_ref()),
+                dtype: Dtype::U8,
+                shape: vec![data.len()],
+                data: data.clone(),
+            })
+            .collect()
+    };
+    safetensors_bytes(&tensors, &serde_json::Map::new())
 }
 
 /// A kLLM key file without a passphrase.

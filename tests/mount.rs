@@ -31,32 +31,9 @@ const EIO: i32 = libc::EIO;
 // Mounting a case
 // ---------------------------------------------------------------------------------------
 
-/// `--key FILE` and the environment a case needs.
-fn key_setup(case: &Case) -> (Vec<OsString>, Vec<(&'static str, String)>) {
-    let (file, pass) = case.key_file();
-    let mut env = Vec::new();
-    if let Some(p) = pass {
-        env.push(("KLLM_PASSPHRASE", p));
-    }
-    if case.expect["key_arg"] == Value::Bool(false) {
-        if case.expect["key_env"] == Value::Bool(true) {
-            env.push(("KLLM_MODEL_KEY", key_hex(case)));
-        }
-        return (Vec::new(), env);
-    }
-    (vec!["--key".into(), file.into_os_string()], env)
-}
-
-fn key_hex(case: &Case) -> String {
-    fs::read_to_string(case.dir.join("key.hex"))
-        .unwrap()
-        .trim()
-        .to_string()
-}
-
 fn mount_case(case: &Case, extra: &[&str]) -> Mnt {
     let m = Mnt::new();
-    let (mut args, env) = key_setup(case);
+    let (mut args, env) = case.key_setup();
     args.extend(extra.iter().map(OsString::from));
     m.mount_with(&case.sealed(), &args, |c| {
         c.envs(env);
@@ -705,7 +682,7 @@ fn refused_vectors_exit_with_one_line_naming_the_problem() {
     assert!(bad.len() >= 4, "expected the four refused vectors");
     for case in &bad {
         let m = Mnt::new();
-        let (args, env) = key_setup(case);
+        let (args, env) = case.key_setup();
         let mut c = m.cmd(&case.sealed());
         c.args(&args);
         for (k, v) in &env {
@@ -786,7 +763,7 @@ fn key_from_environment() {
     for c in cases().iter().filter(|c| c.ok()) {
         let m = Mnt::new();
         m.mount_with::<&str>(&c.sealed(), &[], |cmd| {
-            cmd.env("KLLM_MODEL_KEY", key_hex(c));
+            cmd.env("KLLM_MODEL_KEY", c.key_hex());
         });
         assert_whole_view(c, &m, &format!("{} KLLM_MODEL_KEY", c.name));
     }
@@ -804,7 +781,7 @@ fn key_from_environment() {
         &c.sealed(),
         &[OsStr::new("--key"), c.dir.join("kllm.key").as_os_str()],
         |cmd| {
-            cmd.env("KLLM_MODEL_KEY", key_hex(&other));
+            cmd.env("KLLM_MODEL_KEY", other.key_hex());
         },
     );
     assert_whole_view(&c, &m, "--key over KLLM_MODEL_KEY");
@@ -893,7 +870,7 @@ fn key_of_another_model_is_refused_with_both_fingerprints() {
     );
     // The same key through the environment.
     let mut cmd = m.cmd(&target.sealed());
-    cmd.env("KLLM_MODEL_KEY", key_hex(&other));
+    cmd.env("KLLM_MODEL_KEY", other.key_hex());
     let err = assert_refused(&m, &run(cmd), "KLLM_MODEL_KEY of llm_v1 on llm_v2");
     assert!(err.contains(&fa) && err.contains(&fb), "{err:?}");
 }
@@ -908,7 +885,7 @@ fn background_mode_returns_only_once_mounted() {
         let c = case(name);
         let m = Mnt::new();
         let parent_dev = fs::metadata(m.scratch()).unwrap().dev();
-        let (args, env) = key_setup(&c);
+        let (args, env) = c.key_setup();
         let mut cmd = m.cmd(&c.sealed());
         cmd.args(&args);
         for (k, v) in &env {
@@ -979,7 +956,7 @@ fn daemon_ends_when_unmounted_with_fusermount() {
 fn foreground_ends_on(sig: i32) {
     let c = case("llm_v2");
     let mut m = Mnt::new();
-    let (args, env) = key_setup(&c);
+    let (args, env) = c.key_setup();
     m.start_foreground(&c.sealed(), &args, &env);
     assert_whole_view(&c, &m, "-f");
     let child = m.child.as_mut().unwrap();

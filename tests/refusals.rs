@@ -7,8 +7,7 @@ use kllm_mount::blob;
 use kllm_mount::key::ModelKey;
 use kllm_mount::lock::Version;
 use kllm_mount::sealed::{self, Options, Seal};
-use kllm_mount::testseal::{self, safetensors_bytes, Tensor};
-use safetensors::Dtype;
+use kllm_mount::testseal;
 use serde_json::json;
 
 const KEY: [u8; 32] = [42; 32];
@@ -105,16 +104,7 @@ fn replace_blob(dir: &Path, f: impl FnOnce(Vec<u8>) -> Vec<u8>) {
 
 /// A blob of several chunks, for chunk-level tampering.
 fn multi_chunk_blob(dir: &Path, files: &[(&str, Vec<u8>)]) -> (usize, usize) {
-    let tensors: Vec<Tensor> = files
-        .iter()
-        .map(|(n, d)| Tensor {
-            name: format!("file/{n}"),
-            dtype: Dtype::U8,
-            shape: vec![d.len()],
-            data: d.clone(),
-        })
-        .collect();
-    let payload = safetensors_bytes(&tensors, &Default::default());
+    let payload = testseal::secrets_payload(files);
     let sealed = blob::seal(&payload, &ModelKey::new(KEY), [5; 16], 256);
     let hlen = u32::from_le_bytes(sealed[10..14].try_into().unwrap()) as usize;
     fs::write(dir.join(blob::FILE_NAME), &sealed).unwrap();

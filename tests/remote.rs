@@ -12,7 +12,6 @@
 
 mod common;
 
-use std::ffi::OsString;
 use std::fs::{self, File};
 use std::path::Path;
 use std::process::Command;
@@ -65,24 +64,6 @@ fn manifest_with_wrong_digest(case: &Case, wrong: &str, dir: &Path) -> std::path
     path
 }
 
-/// `--key FILE` and the environment a case needs (its key inside the sealed folder, or in
-/// `KLLM_MODEL_KEY`, where its expect.json says so).
-fn key_setup(case: &Case) -> (Vec<OsString>, Vec<(&'static str, String)>) {
-    let (file, pass) = case.key_file();
-    let mut env = Vec::new();
-    if let Some(p) = pass {
-        env.push(("KLLM_PASSPHRASE", p));
-    }
-    if case.expect["key_arg"] == Value::Bool(false) {
-        if case.expect["key_env"] == Value::Bool(true) {
-            let hex = fs::read_to_string(case.dir.join("key.hex")).unwrap();
-            env.push(("KLLM_MODEL_KEY", hex.trim().to_string()));
-        }
-        return (Vec::new(), env);
-    }
-    (vec!["--key".into(), file.into_os_string()], env)
-}
-
 /// `kllm-mount URL MP` with the test credentials and no other AWS setting from outside.
 fn remote_cmd(m: &Mnt, url: &str) -> Command {
     let mut c = m.cmd(Path::new(url));
@@ -100,7 +81,7 @@ fn remote_cmd(m: &Mnt, url: &str) -> Command {
 
 /// Mount `url` with the case's key and `args`; what the command wrote to stderr.
 fn mount_remote(m: &Mnt, url: &str, case: &Case, args: &[&str]) -> String {
-    let (key_args, env) = key_setup(case);
+    let (key_args, env) = case.key_setup();
     let mut c = remote_cmd(m, url);
     c.args(&key_args).args(args).envs(env);
     m.mount_reporting(c).1
@@ -170,7 +151,7 @@ fn every_fixture_from_s3_in_both_modes() {
         let url = format!("s3://{BUCKET}/s3/{}", case.name);
         if !case.ok() {
             let m = Mnt::new();
-            let (key_args, env) = key_setup(&case);
+            let (key_args, env) = case.key_setup();
             let mut c = remote_cmd(&m, &url);
             c.args(&key_args)
                 .args(["--endpoint-url", &endpoint])

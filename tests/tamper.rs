@@ -22,8 +22,7 @@ use kllm_mount::blob;
 use kllm_mount::key::ModelKey;
 use kllm_mount::lock::Version;
 use kllm_mount::shard::Shard;
-use kllm_mount::testseal::{self, safetensors_bytes, Tensor};
-use safetensors::Dtype;
+use kllm_mount::testseal;
 use tempfile::TempDir;
 
 use common::*;
@@ -45,16 +44,7 @@ fn small_chunked_blob() -> Vec<u8> {
         ("tokenizer.json", testseal::pseudo_random(1, 700)),
         ("vocab.json", testseal::pseudo_random(2, 300)),
     ];
-    let tensors: Vec<Tensor> = files
-        .iter()
-        .map(|(n, d)| Tensor {
-            name: format!("file/{n}"),
-            dtype: Dtype::U8,
-            shape: vec![d.len()],
-            data: d.clone(),
-        })
-        .collect();
-    let payload = safetensors_bytes(&tensors, &Default::default());
+    let payload = testseal::secrets_payload(&files);
     blob::seal(&payload, &key(), [9; 16], 128)
 }
 

@@ -1,6 +1,7 @@
 //! The sealed cases and their expected views, and comparisons.
 
 use std::collections::BTreeMap;
+use std::ffi::OsString;
 use std::path::{Path, PathBuf};
 
 use serde_json::Value;
@@ -100,6 +101,31 @@ impl Case {
         } else {
             (self.dir.join("kllm.key"), None)
         }
+    }
+
+    /// The key as 64 hex digits (`key.hex`), as `KLLM_MODEL_KEY` takes it.
+    pub fn key_hex(&self) -> String {
+        std::fs::read_to_string(self.dir.join("key.hex"))
+            .unwrap()
+            .trim()
+            .to_string()
+    }
+
+    /// `--key FILE` and the environment the case needs to mount (its key inside the sealed
+    /// folder, or in `KLLM_MODEL_KEY`, where its expect.json says so).
+    pub fn key_setup(&self) -> (Vec<OsString>, Vec<(&'static str, String)>) {
+        let (file, pass) = self.key_file();
+        let mut env = Vec::new();
+        if let Some(p) = pass {
+            env.push(("KLLM_PASSPHRASE", p));
+        }
+        if self.expect["key_arg"] == Value::Bool(false) {
+            if self.expect["key_env"] == Value::Bool(true) {
+                env.push(("KLLM_MODEL_KEY", self.key_hex()));
+            }
+            return (Vec::new(), env);
+        }
+        (vec!["--key".into(), file.into_os_string()], env)
     }
 }
 
