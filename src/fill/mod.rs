@@ -67,6 +67,12 @@ const LOCAL_FETCH_AHEAD_IN_BACKGROUND: usize = 2;
 /// open that comes with the mount waits for the first chunk, and the second's memory is
 /// allocated beside the first one's unlock.
 const AWAITED_START: u64 = 2 * CHUNK;
+/// Hashed chunks whose unlock may wait for a thread while the hash goes on: no byte is
+/// served before the verdict, so their order does not matter, and the hash need not stop
+/// for an unlock that lags.
+const UNLOCKS_BEHIND_HASH: usize = 2;
+/// The nice value of the threads that unlock behind the hash (`behind_hash_pool`).
+const BEHIND_HASH_NICE: i32 = 10;
 
 /// Decoded bytes of the file at an offset, any range (the view's read path).
 pub type DecodeFn = dyn Fn(u64, &mut [u8]) -> Result<(), ReadError> + Send + Sync;
@@ -900,6 +906,22 @@ impl Inner {
                 self.feed_digest(result.is_ok(), a, unsafe { self.chunk_mut(i) });
             }
             hashed_ahead = None;
+            if result.is_ok() && priority == Priority::Demand {
+                // Chunk `i` is hashed (above, or beside the unlock before): its unlock is a
+                // task of its own, so this thread goes on to hash the chunks after it. The
+                // hash, one stream in file order, then runs without a pause on its own core
+                // while the unlocks share the rest, where hashing the next chunk beside
+                // each unlock held the two in step (docs/PERFORMANCE.md, "Checked loads").
+                let hashing = self.digest.lock().is_some();
+                let pool = if hashing {
+                    behind_hash_pool()
+                } else {
+                    self.unlock_pool(priority, false)
+                };
+                let most = if hashing { UNLOCKS_BEHIND_HASH } else { 0 };
+                self.unlock_beside(pool, i, most);
+                continue;
+            }
             if result.is_ok() {
                 // The next chunk in file order, once its fetch is in: its sealed bytes are
                 // hashed on this thread while chunk `i` is unlocked, so the digest, one
@@ -914,13 +936,9 @@ impl Inner {
                         (s.chunks[i + 1] == Chunk::Pending && coming).then_some(i + 1)
                     })
                     .flatten();
+                // Decode ahead unlocks on this thread: chunks in flight on the background
+                // pool when an open urges the fill would hold its first chunks behind them.
                 let pool = self.unlock_pool(priority, next.is_some());
-                // Only for a fill someone waits for: chunks in flight on the background pool
-                // when an open urges the fill would hold its first chunks behind them.
-                if next.is_none() && priority == Priority::Demand {
-                    self.unlock_beside(pool, i);
-                    continue;
-                }
                 // SAFETY: chunk `i` is Busy and its fetch is over: only this thread touches
                 // its bytes until it is marked Done or Failed.
                 let buf = unsafe { self.chunk_mut(i) };
@@ -959,11 +977,17 @@ impl Inner {
     /// the fetches: the other core idles at that barrier, 15-20% of a read at once. As tasks
     /// a core that ends its chunk takes the next one, or a piece of one still running
     /// (docs/PERFORMANCE.md, "The decode on two cores").
-    fn unlock_beside(self: &Arc<Self>, pool: Option<&'static rayon::ThreadPool>, i: usize) {
+    fn unlock_beside(
+        self: &Arc<Self>,
+        pool: Option<&'static rayon::ThreadPool>,
+        i: usize,
+        most: usize,
+    ) {
         let width = pool.map_or_else(rayon::current_num_threads, |p| p.current_num_threads());
+        let most = if most == 0 { width } else { most };
         {
             let mut s = self.state.lock();
-            while s.unlocking >= width.max(1) {
+            while s.unlocking >= most.max(1) {
                 self.changed.wait(&mut s);
             }
             s.unlocking += 1;
@@ -1346,6 +1370,31 @@ fn beside_hash_pool() -> Option<&'static rayon::ThreadPool> {
             .thread_name(|i| format!("kllm-unlock-{i}"))
             .build()
             .map_err(|e| log::warn!("no pool beside the hash ({e}); unlocking on every core"))
+            .ok()
+    })
+    .as_ref()
+}
+
+/// The pool that unlocks the chunks a fill's hash has passed: a thread per core, each at
+/// nice 10, so the hash, one stream on one thread and the load's longest step, keeps its
+/// core while they take what is left.
+fn behind_hash_pool() -> Option<&'static rayon::ThreadPool> {
+    static POOL: OnceLock<Option<rayon::ThreadPool>> = OnceLock::new();
+    POOL.get_or_init(|| {
+        rayon::ThreadPoolBuilder::new()
+            .thread_name(|i| format!("kllm-unlock-{i}"))
+            .start_handler(|_| {
+                // SAFETY: setpriority on this thread alone (PRIO_PROCESS with a thread id).
+                unsafe {
+                    libc::setpriority(
+                        libc::PRIO_PROCESS,
+                        libc::gettid() as libc::id_t,
+                        BEHIND_HASH_NICE,
+                    )
+                };
+            })
+            .build()
+            .map_err(|e| log::warn!("no pool behind the hash ({e}); unlocking beside it"))
             .ok()
     })
     .as_ref()

@@ -322,14 +322,15 @@ fn a_failed_chunk_fails_only_the_reads_that_touch_the_bad_bytes() {
     assert_eq!(f.progress(), Progress::Broken);
 }
 
-/// While the file's hash runs beside the unlock (on its own thread, or a remote
-/// source's digest, which the dispatcher feeds the next chunk meanwhile), a fill someone
-/// waits for unlocks with one thread fewer than the decode's pool (at least one),
-/// leaving the hash a core; without a hash, or for the last chunk of a fed digest (no
-/// next chunk to hash beside it), with all of them.
+/// While the file's hash runs on its own thread beside the unlock, a fill someone waits for
+/// unlocks with one thread fewer than the decode's pool (at least one), leaving the hash a
+/// core. A digest the dispatcher feeds hands each hashed chunk to the pool behind the hash:
+/// a thread per core at nice `BEHIND_HASH_NICE`, so the hash keeps its core. Without a
+/// hash, every thread at the process's own priority.
 #[test]
 fn a_waited_for_fill_leaves_the_hash_a_core() {
     let all = rayon::current_num_threads();
+    let own_nice = nice_now();
     for case in ["hashed beside", "fed", "none"] {
         let release = Arc::new((Mutex::new(false), Condvar::new()));
         let r = release.clone();
@@ -344,7 +345,7 @@ fn a_waited_for_fill_leaves_the_hash_a_core() {
         let threads = Arc::new(Mutex::new(Vec::new()));
         let t = threads.clone();
         let unlock = move |off: u64, buf: &mut [u8]| {
-            t.lock().push(rayon::current_num_threads());
+            t.lock().push((rayon::current_num_threads(), nice_now()));
             decode_ok(off, buf)
         };
         let len = 4 * CHUNK;
@@ -367,15 +368,58 @@ fn a_waited_for_fill_leaves_the_hash_a_core() {
         wait_until(30, "chunks unlocked", || threads.lock().len() >= 4);
         let fewer = all.saturating_sub(1).max(1);
         let want = match case {
-            "hashed beside" => vec![fewer; 4],
-            "fed" => vec![fewer, fewer, fewer, all],
-            _ => vec![all; 4],
+            "hashed beside" => vec![(fewer, own_nice); 4],
+            "fed" => vec![(all, super::BEHIND_HASH_NICE); 4],
+            _ => vec![(all, own_nice); 4],
         };
         assert_eq!(*threads.lock(), want, "{case}");
         *release.0.lock() = true;
         release.1.notify_all();
         assert!(f.wait_complete(Duration::from_secs(30)).is_some(), "{case}");
     }
+}
+
+/// The nice value of the calling thread.
+fn nice_now() -> i32 {
+    // SAFETY: getpriority of this thread alone (PRIO_PROCESS with a thread id).
+    unsafe { libc::getpriority(libc::PRIO_PROCESS, libc::gettid() as libc::id_t) }
+}
+
+/// A fed digest does not wait for the unlocks: with the first chunk's unlock held, the
+/// dispatcher goes on hashing the chunks after it (their unlocks pass it), where hashing
+/// each next chunk beside the unlock before held the hash one chunk ahead of it.
+#[test]
+fn the_hash_runs_ahead_of_a_lagging_unlock() {
+    let release = Arc::new((Mutex::new(false), Condvar::new()));
+    let r = release.clone();
+    let unlock = move |off: u64, buf: &mut [u8]| {
+        if off == 0 {
+            let (m, c) = &*r;
+            let mut done = m.lock();
+            while !*done {
+                c.wait(&mut done);
+            }
+        }
+        decode_ok(off, buf)
+    };
+    let len = 6 * CHUNK;
+    let (feed, feeder) = crate::digest::DigestFeed::start(len);
+    let f2 = feed.clone();
+    let check = move || {
+        f2.wait().expect("fed whole");
+        Ok(())
+    };
+    let mut src = with(unlock, Some(Arc::new(check)), None);
+    src.fetch_ahead = 4;
+    src.digest = Some(feeder);
+    let f = start(len, src, Priority::Demand);
+    wait_until(30, "the hash two chunks past the held unlock", || {
+        feed.fed() >= 3 * CHUNK
+    });
+    *release.0.lock() = true;
+    release.1.notify_all();
+    assert!(f.wait_complete(Duration::from_secs(30)).is_some());
+    assert_eq!(feed.fed(), len);
 }
 
 /// An open waits for the verdict: a hash thread that ends by a panic still ends the
@@ -864,6 +908,8 @@ fn the_digest_takes_the_next_chunk_beside_each_unlock() {
         let m = f.wait_complete(Duration::from_secs(60)).expect("complete");
         expect(0, &copy_bytes(&m));
         let beside: Vec<(u64, bool)> = (0..n - 1).map(|i| (i, true)).collect();
+        // Unlocks behind the hash run as tasks at once, so they may end out of order.
+        seen.lock().sort();
         assert_eq!(
             *seen.lock(),
             beside,
