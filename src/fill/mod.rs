@@ -912,14 +912,12 @@ impl Inner {
                 // hash, one stream in file order, then runs without a pause on its own core
                 // while the unlocks share the rest, where hashing the next chunk beside
                 // each unlock held the two in step (docs/PERFORMANCE.md, "Checked loads").
-                let hashing = self.digest.lock().is_some();
-                let pool = if hashing {
-                    behind_hash_pool()
+                let most = if self.digest.lock().is_some() {
+                    UNLOCKS_BEHIND_HASH
                 } else {
-                    self.unlock_pool(priority, false)
+                    0
                 };
-                let most = if hashing { UNLOCKS_BEHIND_HASH } else { 0 };
-                self.unlock_beside(pool, i, most);
+                self.unlock_beside(self.unlock_pool(priority), i, most);
                 continue;
             }
             if result.is_ok() {
@@ -938,7 +936,7 @@ impl Inner {
                     .flatten();
                 // Decode ahead unlocks on this thread: chunks in flight on the background
                 // pool when an open urges the fill would hold its first chunks behind them.
-                let pool = self.unlock_pool(priority, next.is_some());
+                let pool = self.unlock_pool(priority);
                 // SAFETY: chunk `i` is Busy and its fetch is over: only this thread touches
                 // its bytes until it is marked Done or Failed.
                 let buf = unsafe { self.chunk_mut(i) };
@@ -972,7 +970,7 @@ impl Inner {
     }
 
     /// Unlock fetched chunk `i` as a task of its own on `pool` (the global pool if none), up
-    /// to one such task per thread of the pool. A chunk cut in halves across the cores
+    /// to `most` such tasks at once (0: one per thread of the pool). A chunk cut in halves across the cores
     /// waits for its slower half, which shares a core with the reader's FUSE replies and
     /// the fetches: the other core idles at that barrier, 15-20% of a read at once. As tasks
     /// a core that ends its chunk takes the next one, or a piece of one still running
@@ -1077,25 +1075,17 @@ impl Inner {
         }
     }
 
-    /// The pool that unlocks a chunk at the fill's priority. While the file's hash runs
-    /// beside the unlock (on its own thread, or a digest the dispatcher feeds meanwhile,
-    /// `hash_beside`), a fill someone waits for unlocks on one core fewer: no byte is
-    /// served before the verdict, and the hash is one stream on one thread, as much CPU
-    /// per byte as the decode, so it is the longer of the two whenever it has to share its
-    /// core. A digest fed between unlocks leaves the unlock every core.
-    fn unlock_pool(
-        &self,
-        priority: Priority,
-        hash_beside: bool,
-    ) -> Option<&'static rayon::ThreadPool> {
+    /// The pool that unlocks a chunk at the fill's priority: decode ahead's in the
+    /// background; in a fill someone waits for, with a digest this dispatcher feeds, the
+    /// pool behind the hash (the hash goes on while the unlocks take what is left of the
+    /// cores); while the check hashes the file by its own reads, one core fewer: no byte is
+    /// served before the verdict, and the hash is one stream on one thread, as much CPU per
+    /// byte as the decode, so it is the longer of the two whenever it has to share its core.
+    fn unlock_pool(&self, priority: Priority) -> Option<&'static rayon::ThreadPool> {
         match priority {
             Priority::Ahead => ahead_pool(),
-            Priority::Demand
-                if hash_beside
-                    || (self.hashing.load(Ordering::Relaxed) && self.digest.lock().is_none()) =>
-            {
-                beside_hash_pool()
-            }
+            Priority::Demand if self.digest.lock().is_some() => behind_hash_pool(),
+            Priority::Demand if self.hashing.load(Ordering::Relaxed) => beside_hash_pool(),
             Priority::Demand => None,
         }
     }
@@ -1382,7 +1372,7 @@ fn behind_hash_pool() -> Option<&'static rayon::ThreadPool> {
     static POOL: OnceLock<Option<rayon::ThreadPool>> = OnceLock::new();
     POOL.get_or_init(|| {
         rayon::ThreadPoolBuilder::new()
-            .thread_name(|i| format!("kllm-unlock-{i}"))
+            .thread_name(|i| format!("kllm-behind-{i}"))
             .start_handler(|_| {
                 // SAFETY: setpriority on this thread alone (PRIO_PROCESS with a thread id).
                 unsafe {
@@ -1394,7 +1384,7 @@ fn behind_hash_pool() -> Option<&'static rayon::ThreadPool> {
                 };
             })
             .build()
-            .map_err(|e| log::warn!("no pool behind the hash ({e}); unlocking beside it"))
+            .map_err(|e| log::warn!("no pool behind the hash ({e}); unlocking on the decode pool"))
             .ok()
     })
     .as_ref()

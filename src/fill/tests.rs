@@ -332,14 +332,10 @@ fn a_waited_for_fill_leaves_the_hash_a_core() {
     let all = rayon::current_num_threads();
     let own_nice = nice_now();
     for case in ["hashed beside", "fed", "none"] {
-        let release = Arc::new((Mutex::new(false), Condvar::new()));
+        let release = Gate::new();
         let r = release.clone();
         let hash_beside = move || {
-            let (m, c) = &*r;
-            let mut done = m.lock();
-            while !*done {
-                c.wait(&mut done);
-            }
+            r.wait();
             Ok(())
         };
         let threads = Arc::new(Mutex::new(Vec::new()));
@@ -373,9 +369,31 @@ fn a_waited_for_fill_leaves_the_hash_a_core() {
             _ => vec![(all, own_nice); 4],
         };
         assert_eq!(*threads.lock(), want, "{case}");
-        *release.0.lock() = true;
-        release.1.notify_all();
+        release.open();
         assert!(f.wait_complete(Duration::from_secs(30)).is_some(), "{case}");
+    }
+}
+
+/// A gate that holds whoever waits at it until it is opened, once and for all.
+#[derive(Clone)]
+struct Gate(Arc<(Mutex<bool>, Condvar)>);
+
+impl Gate {
+    fn new() -> Gate {
+        Gate(Arc::new((Mutex::new(false), Condvar::new())))
+    }
+
+    fn wait(&self) {
+        let (open, opened) = &*self.0;
+        let mut open = open.lock();
+        while !*open {
+            opened.wait(&mut open);
+        }
+    }
+
+    fn open(&self) {
+        *self.0 .0.lock() = true;
+        self.0 .1.notify_all();
     }
 }
 
@@ -390,15 +408,11 @@ fn nice_now() -> i32 {
 /// each next chunk beside the unlock before held the hash one chunk ahead of it.
 #[test]
 fn the_hash_runs_ahead_of_a_lagging_unlock() {
-    let release = Arc::new((Mutex::new(false), Condvar::new()));
+    let release = Gate::new();
     let r = release.clone();
     let unlock = move |off: u64, buf: &mut [u8]| {
         if off == 0 {
-            let (m, c) = &*r;
-            let mut done = m.lock();
-            while !*done {
-                c.wait(&mut done);
-            }
+            r.wait();
         }
         decode_ok(off, buf)
     };
@@ -416,8 +430,7 @@ fn the_hash_runs_ahead_of_a_lagging_unlock() {
     wait_until(30, "the hash two chunks past the held unlock", || {
         feed.fed() >= 3 * CHUNK
     });
-    *release.0.lock() = true;
-    release.1.notify_all();
+    release.open();
     assert!(f.wait_complete(Duration::from_secs(30)).is_some());
     assert_eq!(feed.fed(), len);
 }
