@@ -6,12 +6,15 @@
 //! it allocates the chunk's memory (the allocation step sets the folio size), fetches its
 //! sealed bytes into place (`O_DIRECT` from disk when they are not cached) and has all cores
 //! unlock them in place, fetching the next chunk meanwhile so the disk and the decode
-//! overlap. A source that gains from many reads at once (a remote one) has fetcher threads
-//! bring many chunks at once, each straight into its place. A reader that needs a chunk not
-//! yet decoded waits for it and moves the dispatcher there (then on from there: a sequential
-//! reader keeps the decoder just ahead of it). Without `O_DIRECT` a prefetch thread asks the
-//! kernel for the sealed bytes a window ahead instead. Once every chunk is decoded and the file's integrity verdict is in, the
-//! file is sealed read-only and handed out for passthrough.
+//! overlap. A chunk whose sealed bytes are in the page cache (and no digest to feed) is not
+//! fetched: the cores decode it a piece at a time into buffers of their own and write it
+//! into place, which spares the copy's fresh pages a clear and a pass. A source that gains
+//! from many reads at once (a remote one) has fetcher threads bring many chunks at once,
+//! each straight into its place. A reader that needs a chunk not yet decoded waits for it
+//! and moves the dispatcher there (then on from there: a sequential reader keeps the
+//! decoder just ahead of it). Without `O_DIRECT` a prefetch thread asks the kernel for the
+//! sealed bytes a window ahead instead. Once every chunk is decoded and the file's
+//! integrity verdict is in, the file is sealed read-only and handed out for passthrough.
 //!
 //! A chunk that fails to decode (a corrupt value, an I/O error, a rewritten sealed file) is
 //! never served from memory: a read that touches it decodes exactly its own range, which
@@ -73,6 +76,11 @@ const AWAITED_START: u64 = 2 * CHUNK;
 const UNLOCKS_BEHIND_HASH: usize = 2;
 /// The nice value of the threads that unlock behind the hash (`behind_hash_pool`).
 const BEHIND_HASH_NICE: i32 = 10;
+/// The bytes a chunk made from the page cache (`Inner::write_decoded`) is decoded and
+/// written in at a time: small enough to stay in a core's cache between the two, and a
+/// multiple of every allocation step, so each write fills whole folios (of a folio that a
+/// write leaves in part, the kernel clears the rest).
+const WRITE_PIECE: u64 = 2 << 20;
 
 /// Decoded bytes of the file at an offset, any range (the view's read path).
 pub type DecodeFn = dyn Fn(u64, &mut [u8]) -> Result<(), ReadError> + Send + Sync;
@@ -165,6 +173,10 @@ pub struct Input {
     /// Called once the copy is complete (every chunk in, the verdict good), before it is
     /// handed out: nothing reads the sealed bytes any more.
     pub completed: Option<Box<dyn Fn() + Send + Sync>>,
+    /// Called once a chunk made by `decode` from sealed bytes in the page cache
+    /// (`in_page_cache`) is in the copy: a local file lets their pages go, as its `fetch`
+    /// does for the chunks it brings into place.
+    pub decoded_from_cache: Option<Box<RangeDoneFn>>,
 }
 
 #[cfg(test)]
@@ -187,12 +199,15 @@ impl Input {
             fetch_ahead: 1,
             digest: None,
             completed: None,
+            decoded_from_cache: None,
         }
     }
 }
 
 /// A question about the sealed bytes of `[off, off + len)`.
 pub type RangeFn = dyn Fn(u64, u64) -> bool + Send + Sync;
+/// Word that the sealed bytes of `[off, off + len)` are done with.
+pub type RangeDoneFn = dyn Fn(u64, u64) + Send + Sync;
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Priority {
@@ -491,14 +506,22 @@ impl Fill {
             let len = node.attr.size;
             Box::new(move || r.drop_cached(0, len, true)) as Box<dyn Fn() + Send + Sync>
         });
-        let h = view.clone();
         // Pages of the sealed file are kept for a check that reads the file itself, not for
         // the digest this fill feeds.
         let fed = digest.is_some();
+        let let_go = local.clone().map(|r| {
+            let h = view.clone();
+            Arc::new(move |off, len| r.let_go(off, len, || fed || !h.awaits_verdict(ino)))
+        });
+        let decoded_from_cache = let_go
+            .clone()
+            .map(|f| Box::new(move |off, len| f(off, len)) as Box<RangeDoneFn>);
         let fetch = move |off: u64, buf: &mut [u8]| match (&local, &object) {
             (Some(r), _) => {
                 r.read(off, buf)?;
-                r.let_go(off, buf.len() as u64, || fed || !h.awaits_verdict(ino));
+                if let Some(let_go) = &let_go {
+                    let_go(off, buf.len() as u64);
+                }
                 Ok(())
             }
             (None, Some(o)) => o.read_once_at(buf, off).map_err(io::Error::from),
@@ -515,6 +538,7 @@ impl Fill {
             fetch_ahead,
             digest,
             completed,
+            decoded_from_cache,
         };
         let target = Target {
             file: memory.create()?,
@@ -821,13 +845,17 @@ impl Inner {
         // The chunk whose sealed bytes the digest took beside the unlock before.
         let mut hashed_ahead = None;
         loop {
-            let (i, priority, jobs) = {
+            // A chunk whose sealed bytes the digest needs is fetched into place, where the
+            // digest reads them.
+            let feeds_digest = self.digest.lock().is_some();
+            let (i, priority, jobs, written) = {
                 let mut s = self.state.lock();
                 if s.cancelled {
                     return false;
                 }
                 let Some(i) = s.take_next_chunk() else { break };
                 self.changed.notify_all();
+                let written = !feeds_digest && s.fetches[i] == Fetch::Idle && self.cached(i);
                 let running = s
                     .fetches
                     .iter()
@@ -835,7 +863,7 @@ impl Inner {
                     .count();
                 // Chunk `i` is fetched whatever runs already; the ones after it while
                 // fewer than `fetch_ahead` fetches are under way.
-                let mut jobs: Vec<usize> = (s.fetches[i] == Fetch::Idle)
+                let mut jobs: Vec<usize> = (s.fetches[i] == Fetch::Idle && !written)
                     .then_some(i)
                     .into_iter()
                     .collect();
@@ -850,15 +878,20 @@ impl Inner {
                 };
                 let room = most.min(ramp).saturating_sub(running + jobs.len());
                 ramp = ramp.saturating_mul(2);
+                let ahead: Vec<usize> = (i + 1..n)
+                    .filter(|&j| s.chunks[j] == Chunk::Pending && s.fetches[j] == Fetch::Idle)
+                    .take(room)
+                    .collect();
+                // Chunks in the page cache are made by `write_decoded`, without a fetch.
                 jobs.extend(
-                    (i + 1..n)
-                        .filter(|&j| s.chunks[j] == Chunk::Pending && s.fetches[j] == Fetch::Idle)
-                        .take(room),
+                    ahead
+                        .into_iter()
+                        .filter(|&j| feeds_digest || !self.cached(j)),
                 );
                 for &j in &jobs {
                     s.fetches[j] = Fetch::Queued;
                 }
-                (i, s.priority, jobs)
+                (i, s.priority, jobs, written)
             };
             let (a, b) = self.range(i);
             let top = jobs.iter().max().map_or(b, |&j| self.range(j).1.max(b));
@@ -893,7 +926,7 @@ impl Inner {
                 if s.cancelled {
                     return false;
                 }
-                if result.is_ok() {
+                if result.is_ok() && !written {
                     result = match std::mem::replace(&mut s.fetches[i], Fetch::Idle) {
                         Fetch::Fetched => Ok(()),
                         Fetch::Failed(why) => Err(ReadError::Io(io::Error::other(why))),
@@ -901,7 +934,7 @@ impl Inner {
                     };
                 }
             }
-            if hashed_ahead != Some(i) {
+            if hashed_ahead != Some(i) && !written {
                 // SAFETY: as below; read before the unlock turns the bytes into view bytes.
                 self.feed_digest(result.is_ok(), a, unsafe { self.chunk_mut(i) });
             }
@@ -917,7 +950,7 @@ impl Inner {
                 } else {
                     0
                 };
-                self.unlock_beside(self.unlock_pool(priority), i, most);
+                self.unlock_beside(self.unlock_pool(priority), i, most, written);
                 continue;
             }
             if result.is_ok() {
@@ -942,6 +975,7 @@ impl Inner {
                 let buf = unsafe { self.chunk_mut(i) };
                 let unlocked = &AtomicBool::new(false);
                 result = match next {
+                    None if written => self.write_decoded(pool, a, b),
                     None => self.unlock(pool, a, buf),
                     Some(j) => std::thread::scope(|scope| {
                         let unlocking = scope.spawn(move || {
@@ -980,6 +1014,7 @@ impl Inner {
         pool: Option<&'static rayon::ThreadPool>,
         i: usize,
         most: usize,
+        written: bool,
     ) {
         let width = pool.map_or_else(rayon::current_num_threads, |p| p.current_num_threads());
         let most = if most == 0 { width } else { most };
@@ -992,10 +1027,13 @@ impl Inner {
         }
         let inner = self.clone();
         let task = move || {
-            let (a, _) = inner.range(i);
-            // SAFETY: chunk `i` is Busy and its fetch is over: only this task touches its
-            // bytes until it is marked Done or Failed.
-            let result = inner.unlock(None, a, unsafe { inner.chunk_mut(i) });
+            let (a, b) = inner.range(i);
+            let result = match written {
+                true => inner.write_decoded(None, a, b),
+                // SAFETY: chunk `i` is Busy and its fetch is over: only this task touches
+                // its bytes until it is marked Done or Failed.
+                false => inner.unlock(None, a, unsafe { inner.chunk_mut(i) }),
+            };
             let mut failed = 0;
             inner.chunk_ended(i, result, &mut failed);
             let mut s = inner.state.lock();
@@ -1106,6 +1144,52 @@ impl Inner {
             Some(pool) => pool.install(unlock),
             None => unlock(),
         }
+    }
+
+    /// Whether chunk `i`'s sealed bytes are in the page cache.
+    fn cached(&self, i: usize) -> bool {
+        let (a, b) = self.range(i);
+        let cached = self.source.in_page_cache.as_ref();
+        cached.is_some_and(|c| c(a, b - a))
+    }
+
+    /// Make `[a, b)` from sealed bytes in the page cache, on `pool` (this thread if none): a
+    /// piece at a time decoded into a buffer that stays in the core's cache, then written
+    /// into the file. Brought into place and unlocked there instead, the copy's fresh pages
+    /// are cleared by the kernel as they are first touched, then written with the sealed
+    /// bytes, then read and written again by the unlock; a write fills them once
+    /// (docs/PERFORMANCE.md, "Files in the page cache: decoded, then written").
+    fn write_decoded(
+        &self,
+        pool: Option<&rayon::ThreadPool>,
+        a: u64,
+        b: u64,
+    ) -> Result<(), ReadError> {
+        use rayon::prelude::*;
+        use std::os::unix::fs::FileExt;
+        let file = match self.file.lock().as_ref() {
+            Some(f) => f.try_clone().map_err(ReadError::Io)?,
+            None => return Err(ReadError::Io(io::Error::other("the file is sealed"))),
+        };
+        let pieces: Vec<u64> = (a..b).step_by(WRITE_PIECE as usize).collect();
+        let write = || {
+            pieces.par_iter().try_for_each(|&at| {
+                let len = WRITE_PIECE.min(b - at) as usize;
+                with_piece_buffer(len, |buf| {
+                    (self.source.decode)(at, buf)?;
+                    file.write_all_at(buf, at).map_err(ReadError::Io)
+                })
+            })
+        };
+        let result = std::panic::catch_unwind(AssertUnwindSafe(|| match pool {
+            Some(pool) => pool.install(write),
+            None => write(),
+        }))
+        .unwrap_or_else(|_| Err(decode_panicked()));
+        if let Some(done) = &self.source.decoded_from_cache {
+            done(a, b - a);
+        }
+        result
     }
 
     /// Chunk `i` decoded, or not.
@@ -1388,6 +1472,30 @@ fn behind_hash_pool() -> Option<&'static rayon::ThreadPool> {
             .ok()
     })
     .as_ref()
+}
+
+thread_local! {
+    /// This thread's buffer for [`Inner::write_decoded`]'s pieces: reused, so it stays in
+    /// the core's cache; locked, as it holds view bytes.
+    static PIECE: std::cell::RefCell<Option<crate::secmem::SecureBuf>> =
+        const { std::cell::RefCell::new(None) };
+}
+
+/// `f` on the first `len` bytes of this thread's piece buffer (`len` at most
+/// [`WRITE_PIECE`]).
+fn with_piece_buffer(
+    len: usize,
+    f: impl FnOnce(&mut [u8]) -> Result<(), ReadError>,
+) -> Result<(), ReadError> {
+    // Taken out while in use: the decode's own rayon joins may run another piece on this
+    // thread meanwhile, which then takes a buffer of its own.
+    let mut buf = match PIECE.with_borrow_mut(Option::take) {
+        Some(b) => b,
+        None => crate::secmem::SecureBuf::new(WRITE_PIECE as usize).map_err(ReadError::Io)?,
+    };
+    let result = f(&mut buf[..len]);
+    PIECE.with_borrow_mut(|p| *p = Some(buf));
+    result
 }
 
 /// The error of an unlock that panicked (a bug): its chunk fails alone.

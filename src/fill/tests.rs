@@ -1106,3 +1106,49 @@ fn an_empty_file_completes_at_once() {
     assert!(f.wait_complete(Duration::from_secs(5)).is_some());
     assert_eq!(f.read(0, &mut [0u8; 8]).unwrap(), 0);
 }
+
+/// Chunks whose sealed bytes are in the page cache are decoded a piece at a time and
+/// written into the file, not fetched into place, and their pages let go once in;
+/// the other chunks are fetched and unlocked in place as before. Under a digest, which
+/// reads the fetched bytes, every chunk is fetched.
+#[test]
+fn cached_chunks_are_decoded_and_written_not_fetched() {
+    use sha2::Digest;
+    let n = 6;
+    let len = n * CHUNK - 1000;
+    for priority in [Priority::Ahead, Priority::Demand] {
+        let (mut src, fetches, _) = sealed_source(4, None);
+        let let_go = Arc::new(Mutex::new(Vec::new()));
+        let l2 = let_go.clone();
+        src.in_page_cache = Some(Box::new(|off, _| (off / CHUNK).is_multiple_of(2)));
+        src.decoded_from_cache = Some(Box::new(move |off, len| l2.lock().push((off, len))));
+        let f = start(len, src, priority);
+        let all = copy_bytes(&f.wait_complete(Duration::from_secs(60)).expect("complete"));
+        expect(0, &all);
+        assert_eq!(
+            fetches.load(Ordering::SeqCst),
+            3,
+            "{priority:?}: the odd chunks"
+        );
+        let mut let_go = let_go.lock().clone();
+        let_go.sort();
+        assert_eq!(
+            let_go,
+            [(0, CHUNK), (2 * CHUNK, CHUNK), (4 * CHUNK, CHUNK)],
+            "{priority:?}"
+        );
+    }
+    let (mut src, fetches, _) = sealed_source(4, None);
+    src.in_page_cache = Some(Box::new(|_, _| true));
+    let (feed, feeder) = crate::digest::DigestFeed::start(len);
+    src.digest = Some(feeder);
+    let f = start(len, src, Priority::Demand);
+    expect(
+        0,
+        &copy_bytes(&f.wait_complete(Duration::from_secs(60)).expect("complete")),
+    );
+    assert_eq!(fetches.load(Ordering::SeqCst), n as usize);
+    let mut sealed = vec![0u8; len as usize];
+    seal_into(0, &mut sealed);
+    assert_eq!(feed.wait(), Some(sha2::Sha256::digest(&sealed).into()));
+}
