@@ -158,8 +158,10 @@ pub struct Input {
     /// fetched whole whatever the priority (a source that is not a local disk).
     pub disk_shared: Option<Box<RangeLookFn>>,
     /// Whether the sealed bytes of `[off, off + len)` are in the page cache (a local file):
-    /// decode ahead copies them at memory speed, so it has time to take the folios that
-    /// are dear to touch (`Steps::ahead_cached`). `None`: never (any other source).
+    /// such a chunk is decoded from there and written into place (`Inner::write_decoded`)
+    /// rather than fetched, and decode ahead reads them at memory speed, so it has time to
+    /// take the folios that are dear to touch (`Steps::ahead_cached`). `None`: never (any
+    /// other source).
     pub in_page_cache: Option<Box<RangeFn>>,
     /// How many chunks may be fetched at once, each by a fetcher thread straight into its
     /// place, ahead of the unlock (a local disk: a few; a remote source: many GETs in
