@@ -74,8 +74,6 @@ const AWAITED_START: u64 = 2 * CHUNK;
 /// served before the verdict, so their order does not matter, and the hash need not stop
 /// for an unlock that lags.
 const UNLOCKS_BEHIND_HASH: usize = 2;
-/// The nice value of the threads that unlock behind the hash (`behind_hash_pool`).
-const BEHIND_HASH_NICE: i32 = 10;
 /// The bytes a chunk made from the page cache (`Inner::write_decoded`) is decoded and
 /// written in at a time: small enough to stay in a core's cache between the two, and a
 /// multiple of every allocation step, so each write fills whole folios (of a folio that a
@@ -1116,15 +1114,18 @@ impl Inner {
     }
 
     /// The pool that unlocks a chunk at the fill's priority: decode ahead's in the
-    /// background; in a fill someone waits for, with a digest this dispatcher feeds, the
-    /// pool behind the hash (the hash goes on while the unlocks take what is left of the
-    /// cores); while the check hashes the file by its own reads, one core fewer: no byte is
-    /// served before the verdict, and the hash is one stream on one thread, as much CPU per
-    /// byte as the decode, so it is the longer of the two whenever it has to share its core.
+    /// background; while the check hashes the file by its own reads, one core fewer: no byte
+    /// is served before the verdict, and the hash is one stream on one thread, as much CPU
+    /// per byte as the decode, so it is the longer of the two whenever it has to share its
+    /// core. With a digest this dispatcher feeds, the decode's pool, at the process's own
+    /// priority: the hash goes on while the unlocks, at most `UNLOCKS_BEHIND_HASH` behind
+    /// it, take what is left of the cores. Run at a lower priority, as they were, they
+    /// gained nothing on an idle machine and lost to any busy process beside
+    /// (docs/PERFORMANCE.md, "Checked loads").
     fn unlock_pool(&self, priority: Priority) -> Option<&'static rayon::ThreadPool> {
         match priority {
             Priority::Ahead => ahead_pool(),
-            Priority::Demand if self.digest.lock().is_some() => behind_hash_pool(),
+            Priority::Demand if self.digest.lock().is_some() => None,
             Priority::Demand if self.hashing.load(Ordering::Relaxed) => beside_hash_pool(),
             Priority::Demand => None,
         }
@@ -1446,31 +1447,6 @@ fn beside_hash_pool() -> Option<&'static rayon::ThreadPool> {
             .thread_name(|i| format!("kllm-unlock-{i}"))
             .build()
             .map_err(|e| log::warn!("no pool beside the hash ({e}); unlocking on every core"))
-            .ok()
-    })
-    .as_ref()
-}
-
-/// The pool that unlocks the chunks a fill's hash has passed: a thread per core, each at
-/// nice 10, so the hash, one stream on one thread and the load's longest step, keeps its
-/// core while they take what is left.
-fn behind_hash_pool() -> Option<&'static rayon::ThreadPool> {
-    static POOL: OnceLock<Option<rayon::ThreadPool>> = OnceLock::new();
-    POOL.get_or_init(|| {
-        rayon::ThreadPoolBuilder::new()
-            .thread_name(|i| format!("kllm-behind-{i}"))
-            .start_handler(|_| {
-                // SAFETY: setpriority on this thread alone (PRIO_PROCESS with a thread id).
-                unsafe {
-                    libc::setpriority(
-                        libc::PRIO_PROCESS,
-                        libc::gettid() as libc::id_t,
-                        BEHIND_HASH_NICE,
-                    )
-                };
-            })
-            .build()
-            .map_err(|e| log::warn!("no pool behind the hash ({e}); unlocking on the decode pool"))
             .ok()
     })
     .as_ref()

@@ -324,9 +324,9 @@ fn a_failed_chunk_fails_only_the_reads_that_touch_the_bad_bytes() {
 
 /// While the file's hash runs on its own thread beside the unlock, a fill someone waits for
 /// unlocks with one thread fewer than the decode's pool (at least one), leaving the hash a
-/// core. A digest the dispatcher feeds hands each hashed chunk to the pool behind the hash:
-/// a thread per core at nice `BEHIND_HASH_NICE`, so the hash keeps its core. Without a
-/// hash, every thread at the process's own priority.
+/// core. A digest the dispatcher feeds hands each hashed chunk to the decode's pool, as a
+/// fill without a hash does. Every unlock runs at the process's own priority: one at a
+/// lower one would lose its core to any busy process beside the daemon.
 #[test]
 fn a_waited_for_fill_leaves_the_hash_a_core() {
     let all = rayon::current_num_threads();
@@ -365,7 +365,6 @@ fn a_waited_for_fill_leaves_the_hash_a_core() {
         let fewer = all.saturating_sub(1).max(1);
         let want = match case {
             "hashed beside" => vec![(fewer, own_nice); 4],
-            "fed" => vec![(all, super::BEHIND_HASH_NICE); 4],
             _ => vec![(all, own_nice); 4],
         };
         assert_eq!(*threads.lock(), want, "{case}");
