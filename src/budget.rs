@@ -41,11 +41,12 @@ pub struct Budgets {
 }
 
 /// The daemon's working memory besides its budgets: code, heap and the view (32 MiB), up
-/// to 16 wiped buffers kept for reuse (src/secmem.rs, 16 MiB), and per serving thread a
-/// reply buffer of up to 1 MiB (src/fuse.rs), the two 4 MiB buffers of a file hashed on its
-/// first open (src/digest.rs) and a stack.
+/// to 16 wiped buffers kept for reuse (src/secmem.rs, 16 MiB), the buffers fills decode
+/// cached chunks into (`fill::PIECE_BUFFERS`, 16 MiB), and per serving thread a reply
+/// buffer of up to 1 MiB (src/fuse.rs), the two 4 MiB buffers of a file hashed on its first
+/// open (src/digest.rs) and a stack.
 pub fn headroom(threads: usize) -> u64 {
-    48 * MIB + threads as u64 * 10 * MIB
+    64 * MIB + threads as u64 * 10 * MIB
 }
 
 /// What threads reserve of the address space beyond what they use (an allocator arena of
@@ -164,15 +165,15 @@ mod tests {
                 assert!(b.warnings(Flags::default()).is_none());
             }
         }
-        // 256 MiB on 4 threads: 88 MiB reserved and 8 in use leave 160: a quarter of it for
+        // 256 MiB on 4 threads: 104 MiB reserved and 8 in use leave 144: a quarter of it for
         // the cache, the rest for passthrough; a 512 MiB shard goes through FUSE.
         let b = Budgets::decide(Flags::default(), cgroup(256 * MIB), 8 * MIB, 4);
-        assert_eq!(b.block_cache, 40 * MIB);
-        assert_eq!(b.passthrough_memory, 120 * MIB);
+        assert_eq!(b.block_cache, 36 * MIB);
+        assert_eq!(b.passthrough_memory, 108 * MIB);
         // 1 GiB: a 512 MiB shard fits passthrough memory.
         let b = Budgets::decide(Flags::default(), cgroup(GIB), 8 * MIB, 4);
-        assert_eq!(b.block_cache, 232 * MIB);
-        assert_eq!(b.passthrough_memory, 696 * MIB);
+        assert_eq!(b.block_cache, 228 * MIB);
+        assert_eq!(b.passthrough_memory, 684 * MIB);
         // A limit below the reserve leaves no budget at all, rather than wrapping around.
         let b = Budgets::decide(Flags::default(), cgroup(64 * MIB), 8 * MIB, 4);
         assert_eq!((b.passthrough_memory, b.block_cache), (0, 0));

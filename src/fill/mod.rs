@@ -79,6 +79,9 @@ const UNLOCKS_BEHIND_HASH: usize = 2;
 /// multiple of every allocation step, so each write fills whole folios (of a folio that a
 /// write leaves in part, the kernel clears the rest).
 const WRITE_PIECE: u64 = 2 << 20;
+/// The most piece buffers made (16 MiB): more pieces at once than that (a machine of more
+/// than 4 cores) are fetched into place and unlocked there, as chunks from the disk are.
+pub const PIECE_BUFFERS: usize = 8;
 
 /// Decoded bytes of the file at an offset, any range (the view's read path).
 pub type DecodeFn = dyn Fn(u64, &mut [u8]) -> Result<(), ReadError> + Send + Sync;
@@ -1178,10 +1181,18 @@ impl Inner {
         let write = || {
             pieces.par_iter().try_for_each(|&at| {
                 let len = WRITE_PIECE.min(b - at) as usize;
-                with_piece_buffer(len, |buf| {
-                    (self.source.decode)(at, buf)?;
-                    file.write_all_at(buf, at).map_err(ReadError::Io)
-                })
+                let Some(mut buf) = take_piece_buffer() else {
+                    // SAFETY: the chunk is Busy and this piece of it is this task's alone;
+                    // its memory is allocated.
+                    let place = unsafe { self.range_mut(at, len) };
+                    (self.source.fetch)(at, place).map_err(ReadError::Io)?;
+                    return (self.source.unlock)(at, place);
+                };
+                let piece = &mut buf[..len];
+                let result = (self.source.decode)(at, piece)
+                    .and_then(|()| file.write_all_at(piece, at).map_err(ReadError::Io));
+                PIECE_BUFFERS_FREE.lock().push(buf);
+                result
             })
         };
         let result = std::panic::catch_unwind(AssertUnwindSafe(|| match pool {
@@ -1292,8 +1303,17 @@ impl Inner {
     #[allow(clippy::mut_from_ref)]
     unsafe fn chunk_mut(&self, i: usize) -> &mut [u8] {
         let (a, b) = self.range(i);
+        self.range_mut(a, (b - a) as usize)
+    }
+
+    /// The bytes `[a, a + len)` in the mapping.
+    ///
+    /// # Safety
+    /// As for [`Inner::chunk_mut`], for the chunk that holds the range.
+    #[allow(clippy::mut_from_ref)]
+    unsafe fn range_mut(&self, a: u64, len: usize) -> &mut [u8] {
         let map = self.map.as_ref().expect("a non-empty file is mapped");
-        std::slice::from_raw_parts_mut(map.as_mut_ptr().add(a as usize), (b - a) as usize)
+        std::slice::from_raw_parts_mut(map.as_mut_ptr().add(a as usize), len)
     }
 
     /// Close the writable descriptor, leave the mapping read-only, and make the file the
@@ -1452,28 +1472,26 @@ fn beside_hash_pool() -> Option<&'static rayon::ThreadPool> {
     .as_ref()
 }
 
-thread_local! {
-    /// This thread's buffer for [`Inner::write_decoded`]'s pieces: reused, so it stays in
-    /// the core's cache; locked, as it holds view bytes.
-    static PIECE: std::cell::RefCell<Option<crate::secmem::SecureBuf>> =
-        const { std::cell::RefCell::new(None) };
-}
+/// The buffers [`Inner::write_decoded`] decodes pieces into, kept for the next pieces
+/// (fresh, each would cost its pages' first touch); locked, as they hold view bytes. At most
+/// [`PIECE_BUFFERS`] are made, so the daemon's working memory does not grow with its cores
+/// (`budget::headroom` counts them).
+static PIECE_BUFFERS_FREE: Mutex<Vec<crate::secmem::SecureBuf>> = Mutex::new(Vec::new());
+static PIECE_BUFFERS_MADE: std::sync::atomic::AtomicUsize = std::sync::atomic::AtomicUsize::new(0);
 
-/// `f` on the first `len` bytes of this thread's piece buffer (`len` at most
-/// [`WRITE_PIECE`]).
-fn with_piece_buffer(
-    len: usize,
-    f: impl FnOnce(&mut [u8]) -> Result<(), ReadError>,
-) -> Result<(), ReadError> {
-    // Taken out while in use: the decode's own rayon joins may run another piece on this
-    // thread meanwhile, which then takes a buffer of its own.
-    let mut buf = match PIECE.with_borrow_mut(Option::take) {
-        Some(b) => b,
-        None => crate::secmem::SecureBuf::new(WRITE_PIECE as usize).map_err(ReadError::Io)?,
-    };
-    let result = f(&mut buf[..len]);
-    PIECE.with_borrow_mut(|p| *p = Some(buf));
-    result
+/// A piece buffer, if one is free or may still be made.
+fn take_piece_buffer() -> Option<crate::secmem::SecureBuf> {
+    if let Some(b) = PIECE_BUFFERS_FREE.lock().pop() {
+        return Some(b);
+    }
+    let made = PIECE_BUFFERS_MADE.fetch_add(1, Ordering::Relaxed);
+    let buf = (made < PIECE_BUFFERS)
+        .then(|| crate::secmem::SecureBuf::new(WRITE_PIECE as usize).ok())
+        .flatten();
+    if buf.is_none() {
+        PIECE_BUFFERS_MADE.fetch_sub(1, Ordering::Relaxed);
+    }
+    buf
 }
 
 /// The error of an unlock that panicked (a bug): its chunk fails alone.

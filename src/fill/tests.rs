@@ -1113,6 +1113,7 @@ fn an_empty_file_completes_at_once() {
 #[test]
 fn cached_chunks_are_decoded_and_written_not_fetched() {
     use sha2::Digest;
+    let _turn = PIECE_BUFFERS_TURN.lock();
     let n = 6;
     let len = n * CHUNK - 1000;
     for priority in [Priority::Ahead, Priority::Demand] {
@@ -1150,4 +1151,30 @@ fn cached_chunks_are_decoded_and_written_not_fetched() {
     let mut sealed = vec![0u8; len as usize];
     seal_into(0, &mut sealed);
     assert_eq!(feed.wait(), Some(sha2::Sha256::digest(&sealed).into()));
+}
+
+/// The tests that count fetches of cached chunks take turns: the piece buffers are the
+/// process's.
+static PIECE_BUFFERS_TURN: Mutex<()> = Mutex::new(());
+
+/// With every piece buffer in use, a cached chunk's pieces are fetched into place and
+/// unlocked there, each on its own: the bytes are the same.
+#[test]
+fn cached_pieces_without_a_buffer_are_unlocked_in_place() {
+    let _turn = PIECE_BUFFERS_TURN.lock();
+    // Every buffer, including those other tests' fills hold for a moment.
+    let mut held = Vec::new();
+    wait_until(30, "every piece buffer", || {
+        held.extend(std::iter::from_fn(super::take_piece_buffer));
+        held.len() == super::PIECE_BUFFERS
+    });
+    let n = 3;
+    let (mut src, fetches, _) = sealed_source(4, None);
+    src.in_page_cache = Some(Box::new(|_, _| true));
+    let f = start(n * CHUNK, src, Priority::Demand);
+    let all = copy_bytes(&f.wait_complete(Duration::from_secs(60)).expect("complete"));
+    super::PIECE_BUFFERS_FREE.lock().extend(held);
+    expect(0, &all);
+    let pieces = (n * CHUNK / super::WRITE_PIECE) as usize;
+    assert_eq!(fetches.load(Ordering::SeqCst), pieces, "a fetch per piece");
 }
