@@ -7,8 +7,8 @@
 //! sealed bytes into place (`O_DIRECT` from disk when they are not cached) and has all cores
 //! unlock them in place, fetching the next chunk meanwhile so the disk and the decode
 //! overlap. A chunk whose sealed bytes are in the page cache (and no digest to feed) is not
-//! fetched: the cores decode it a piece at a time into buffers of their own and write it
-//! into place, which spares the copy's fresh pages a clear and a pass. A source that gains
+//! fetched: the cores decode it a piece at a time into a few kept buffers and write it into
+//! place, which spares the copy's fresh pages a clear and a pass. A source that gains
 //! from many reads at once (a remote one) has fetcher threads bring many chunks at once,
 //! each straight into its place. A reader that needs a chunk not yet decoded waits for it
 //! and moves the dispatcher there (then on from there: a sequential reader keeps the
