@@ -179,7 +179,7 @@ pub struct Input {
     /// Called once a chunk made by `decode` from sealed bytes in the page cache
     /// (`in_page_cache`) is in the copy: a local file lets their pages go, as its `fetch`
     /// does for the chunks it brings into place.
-    pub decoded_from_cache: Option<Box<RangeDoneFn>>,
+    pub decoded_from_cache: Option<Arc<RangeDoneFn>>,
 }
 
 #[cfg(test)]
@@ -515,10 +515,9 @@ impl Fill {
         let let_go = local.clone().map(|r| {
             let h = view.clone();
             Arc::new(move |off, len| r.let_go(off, len, || fed || !h.awaits_verdict(ino)))
+                as Arc<RangeDoneFn>
         });
-        let decoded_from_cache = let_go
-            .clone()
-            .map(|f| Box::new(move |off, len| f(off, len)) as Box<RangeDoneFn>);
+        let decoded_from_cache = let_go.clone();
         let fetch = move |off: u64, buf: &mut [u8]| match (&local, &object) {
             (Some(r), _) => {
                 r.read(off, buf)?;
@@ -1128,8 +1127,11 @@ impl Inner {
     fn unlock_pool(&self, priority: Priority) -> Option<&'static rayon::ThreadPool> {
         match priority {
             Priority::Ahead => ahead_pool(),
-            Priority::Demand if self.digest.lock().is_some() => None,
-            Priority::Demand if self.hashing.load(Ordering::Relaxed) => beside_hash_pool(),
+            Priority::Demand
+                if self.hashing.load(Ordering::Relaxed) && self.digest.lock().is_none() =>
+            {
+                beside_hash_pool()
+            }
             Priority::Demand => None,
         }
     }

@@ -345,19 +345,9 @@ fn a_waited_for_fill_leaves_the_hash_a_core() {
             decode_ok(off, buf)
         };
         let len = 4 * CHUNK;
-        let (feed, feeder) = crate::digest::DigestFeed::start(len);
         let src = match case {
             "hashed beside" => with(unlock, Some(Arc::new(hash_beside)), None),
-            "fed" => {
-                let check = move || {
-                    feed.wait().expect("fed whole");
-                    Ok(())
-                };
-                let mut src = with(unlock, Some(Arc::new(check)), None);
-                src.fetch_ahead = 2;
-                src.digest = Some(feeder);
-                src
-            }
+            "fed" => fed_digest_source(unlock, len, 2).0,
             _ => with(unlock, None, None),
         };
         let f = start(len, src, Priority::Demand);
@@ -371,6 +361,25 @@ fn a_waited_for_fill_leaves_the_hash_a_core() {
         release.open();
         assert!(f.wait_complete(Duration::from_secs(30)).is_some(), "{case}");
     }
+}
+
+/// A source whose chunks `unlock` makes, `fetch_ahead` fetched at once, with a digest the
+/// fill feeds; its check waits for that digest to be fed whole. The feed, to watch.
+fn fed_digest_source(
+    unlock: impl Fn(u64, &mut [u8]) -> Result<(), ReadError> + Send + Sync + 'static,
+    len: u64,
+    fetch_ahead: usize,
+) -> (Input, Arc<crate::digest::DigestFeed>) {
+    let (feed, feeder) = crate::digest::DigestFeed::start(len);
+    let fed = feed.clone();
+    let check = move || {
+        fed.wait().expect("fed whole");
+        Ok(())
+    };
+    let mut src = with(unlock, Some(Arc::new(check)), None);
+    src.fetch_ahead = fetch_ahead;
+    src.digest = Some(feeder);
+    (src, feed)
 }
 
 /// A gate that holds whoever waits at it until it is opened, once and for all.
@@ -416,15 +425,7 @@ fn the_hash_runs_ahead_of_a_lagging_unlock() {
         decode_ok(off, buf)
     };
     let len = 6 * CHUNK;
-    let (feed, feeder) = crate::digest::DigestFeed::start(len);
-    let f2 = feed.clone();
-    let check = move || {
-        f2.wait().expect("fed whole");
-        Ok(())
-    };
-    let mut src = with(unlock, Some(Arc::new(check)), None);
-    src.fetch_ahead = 4;
-    src.digest = Some(feeder);
+    let (src, feed) = fed_digest_source(unlock, len, 4);
     let f = start(len, src, Priority::Demand);
     wait_until(30, "the hash two chunks past the held unlock", || {
         feed.fed() >= 3 * CHUNK
@@ -1121,7 +1122,7 @@ fn cached_chunks_are_decoded_and_written_not_fetched() {
         let let_go = Arc::new(Mutex::new(Vec::new()));
         let l2 = let_go.clone();
         src.in_page_cache = Some(Box::new(|off, _| (off / CHUNK).is_multiple_of(2)));
-        src.decoded_from_cache = Some(Box::new(move |off, len| l2.lock().push((off, len))));
+        src.decoded_from_cache = Some(Arc::new(move |off, len| l2.lock().push((off, len))));
         let f = start(len, src, priority);
         let all = copy_bytes(&f.wait_complete(Duration::from_secs(60)).expect("complete"));
         expect(0, &all);
