@@ -7,10 +7,12 @@
 //! `moto_server` on `PATH`. Without it a test skips with a message, except under CI
 //! (`CI=true`), where it fails.
 
-use std::io::{Read, Write};
+use std::collections::VecDeque;
+use std::io::{BufRead, BufReader, Read, Write};
 use std::net::{SocketAddr, TcpListener, TcpStream};
 use std::path::{Path, PathBuf};
-use std::process::{Child, Command, Stdio};
+use std::process::{Child, ChildStderr, Command, Stdio};
+use std::sync::{mpsc, Arc, Mutex};
 use std::time::{Duration, Instant};
 
 /// The credentials the tests give kllm-mount (moto accepts any).
@@ -48,6 +50,8 @@ pub fn free_port() -> u16 {
 pub struct S3Server {
     child: Child,
     pub addr: SocketAddr,
+    /// moto's last lines on stderr, shown if it ends before the test lets it go.
+    said: Arc<Mutex<VecDeque<String>>>,
 }
 
 impl S3Server {
@@ -62,20 +66,35 @@ impl S3Server {
             eprintln!("SKIPPED: {why}");
             return None;
         };
-        let port = free_port();
-        let child = Command::new(&program)
-            .args(["-H", "127.0.0.1", "-p", &port.to_string()])
+        // moto binds port 0 itself and says which port it got: a port picked here and let go
+        // could be taken by another test's server first, whose answers would then pass for
+        // this one's until that test ended.
+        let mut child = Command::new(&program)
+            .args(["-H", "127.0.0.1", "-p", "0"])
             .env("MOTO_ALLOW_NONEXISTENT_REGION", "true")
             .stdin(Stdio::null())
             .stdout(Stdio::null())
-            .stderr(Stdio::null())
+            .stderr(Stdio::piped())
             .spawn()
             .unwrap_or_else(|e| panic!("start {}: {e}", program.display()));
-        let addr: SocketAddr = format!("127.0.0.1:{port}").parse().unwrap();
-        let mut server = S3Server { child, addr };
+        let said = Arc::new(Mutex::new(VecDeque::new()));
+        let port = announced_port(child.stderr.take().unwrap(), said.clone());
+        let mut server = S3Server {
+            child,
+            addr: SocketAddr::from(([127, 0, 0, 1], 0)),
+            said,
+        };
+        let Ok(port) = port.recv_timeout(Duration::from_secs(30)) else {
+            let st = server.child.try_wait().unwrap();
+            panic!(
+                "{} did not say its port in 30 s (exit: {st:?})",
+                program.display()
+            );
+        };
+        server.addr.set_port(port);
         let deadline = Instant::now() + Duration::from_secs(30);
         loop {
-            if request(addr, "GET", "/", &[], &[]).is_ok() {
+            if request(server.addr, "GET", "/", &[], &[]).is_ok() {
                 return Some(server);
             }
             if let Some(st) = server.child.try_wait().unwrap() {
@@ -139,8 +158,42 @@ impl S3Server {
     }
 }
 
+/// The port from moto's " * Running on http://127.0.0.1:PORT" line. All of its stderr (a line
+/// per request) is read, so that moto never blocks on a full pipe, and the last lines kept.
+fn announced_port(stderr: ChildStderr, said: Arc<Mutex<VecDeque<String>>>) -> mpsc::Receiver<u16> {
+    const KEPT: usize = 20;
+    let (tx, rx) = mpsc::channel();
+    std::thread::spawn(move || {
+        for line in BufReader::new(stderr).lines() {
+            let Ok(line) = line else { break };
+            if let Some((_, rest)) = line.split_once("Running on http://127.0.0.1:") {
+                let digits: String = rest.chars().take_while(char::is_ascii_digit).collect();
+                if let Ok(port) = digits.parse() {
+                    let _ = tx.send(port);
+                }
+            }
+            let mut said = said.lock().unwrap();
+            if said.len() == KEPT {
+                said.pop_front();
+            }
+            said.push_back(line);
+        }
+    });
+    rx
+}
+
 impl Drop for S3Server {
     fn drop(&mut self) {
+        if let Ok(Some(st)) = self.child.try_wait() {
+            let said = self.said.lock().map(|s| s.clone()).unwrap_or_default();
+            eprintln!(
+                "moto_server on {} had ended ({st}) before the test let it go; its last lines:",
+                self.addr
+            );
+            for line in said {
+                eprintln!("  {line}");
+            }
+        }
         let _ = self.child.kill();
         let _ = self.child.wait();
     }
