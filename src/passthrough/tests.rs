@@ -1,4 +1,4 @@
-use std::sync::atomic::{AtomicU64, AtomicUsize};
+use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -253,8 +253,18 @@ fn checked_fill(
     check: Option<Arc<crate::fill::CheckFn>>,
     made: Arc<AtomicU64>,
 ) -> Arc<Fill> {
+    paced_fill(len, move |_| std::thread::sleep(per_chunk), check, made)
+}
+
+/// A fill whose chunks wait for `pace(offset)` before they are made.
+fn paced_fill(
+    len: u64,
+    pace: impl Fn(u64) + Send + Sync + Copy + 'static,
+    check: Option<Arc<crate::fill::CheckFn>>,
+    made: Arc<AtomicU64>,
+) -> Arc<Fill> {
     let make = move |off, buf: &mut [u8]| {
-        std::thread::sleep(per_chunk);
+        pace(off);
         for (i, b) in buf.iter_mut().enumerate() {
             *b = ((off + i as u64) % 253) as u8;
         }
@@ -398,14 +408,35 @@ fn an_open_waits_for_the_verdict_and_gets_the_copy() {
 fn an_open_does_not_wait_for_a_whole_decode() {
     let t = OpenTable::new(Duration::from_secs(60));
     let live = Arc::new(AtomicUsize::new(0));
-    let started = Instant::now();
+    // Chunks past the fourth wait for the open: an open that waited for the whole decode
+    // would find the gate still shut after 30 s.
+    static GATE: (std::sync::Mutex<bool>, std::sync::Condvar) =
+        (std::sync::Mutex::new(false), std::sync::Condvar::new());
+    static GATE_TIMED_OUT: AtomicBool = AtomicBool::new(false);
+    let wait_for_open = |off: u64| {
+        if off >= 4 * CHUNK && !GATE_TIMED_OUT.load(Ordering::SeqCst) {
+            let (open, opened) = &GATE;
+            let guard = open.lock().unwrap();
+            let (_open, waited) = opened
+                .wait_timeout_while(guard, Duration::from_secs(30), |open| !*open)
+                .unwrap();
+            if waited.timed_out() {
+                GATE_TIMED_OUT.store(true, Ordering::SeqCst);
+            }
+        }
+    };
     let a = t.open_copy(
         9,
         &WAIT,
-        || Some(fill(20 * CHUNK, Duration::from_millis(25))),
+        || Some(paced_fill(20 * CHUNK, wait_for_open, None, Arc::default())),
         backed(&live),
     );
-    assert!(started.elapsed() < Duration::from_millis(400));
+    *GATE.0.lock().unwrap() = true;
+    GATE.1.notify_all();
+    assert!(
+        !GATE_TIMED_OUT.load(Ordering::SeqCst),
+        "the open waited for the whole decode"
+    );
     let Opened::Fuse { fill: Some(f), .. } = &a else {
         panic!("the first open of a filling copy is not served from it");
     };
