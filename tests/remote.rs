@@ -638,7 +638,8 @@ fn mount_time_errors_are_one_line_and_leave_nothing_mounted() {
         "empty prefix",
     );
     assert!(err.contains("no objects"), "{err}");
-    let closed = format!("http://127.0.0.1:{}", common::s3server::free_port());
+    let closed_port = common::s3server::ClosedPort::new();
+    let closed = format!("http://127.0.0.1:{}", closed_port.port);
     let err = refuse(
         &format!("s3://{BUCKET}/m"),
         &["--endpoint-url", &closed, "--source-timeout", "3"],

@@ -9,7 +9,7 @@
 
 use std::collections::VecDeque;
 use std::io::{BufRead, BufReader, Read, Write};
-use std::net::{SocketAddr, TcpListener, TcpStream};
+use std::net::{SocketAddr, TcpStream};
 use std::path::{Path, PathBuf};
 use std::process::{Child, ChildStderr, Command, Stdio};
 use std::sync::{mpsc, Arc, Mutex};
@@ -38,13 +38,43 @@ fn moto_program() -> Option<PathBuf> {
     })
 }
 
-/// A free port on 127.0.0.1 (bound and let go: another process could take it, rarely).
-pub fn free_port() -> u16 {
-    TcpListener::bind("127.0.0.1:0")
-        .unwrap()
-        .local_addr()
-        .unwrap()
-        .port()
+/// A port on 127.0.0.1 where nothing listens, held for as long as this lives: bound without
+/// `SO_REUSEADDR` and never listening, so a connection to it is refused and no server can
+/// take it meanwhile (a port bound and let go could be taken by another test's server).
+pub struct ClosedPort {
+    _socket: std::os::fd::OwnedFd,
+    pub port: u16,
+}
+
+impl ClosedPort {
+    pub fn new() -> ClosedPort {
+        use std::os::fd::FromRawFd;
+        // SAFETY: plain socket calls on a descriptor this function owns; the address
+        // structures are zeroed and sized for AF_INET.
+        unsafe {
+            let fd = libc::socket(libc::AF_INET, libc::SOCK_STREAM | libc::SOCK_CLOEXEC, 0);
+            assert!(fd >= 0, "socket: {}", std::io::Error::last_os_error());
+            let socket = std::os::fd::OwnedFd::from_raw_fd(fd);
+            let mut addr: libc::sockaddr_in = std::mem::zeroed();
+            addr.sin_family = libc::AF_INET as libc::sa_family_t;
+            addr.sin_addr.s_addr = u32::from(std::net::Ipv4Addr::LOCALHOST).to_be();
+            let len = std::mem::size_of::<libc::sockaddr_in>() as libc::socklen_t;
+            let bound = libc::bind(fd, (&raw const addr).cast(), len);
+            assert!(bound == 0, "bind: {}", std::io::Error::last_os_error());
+            let mut got: libc::sockaddr_in = std::mem::zeroed();
+            let mut got_len = len;
+            let named = libc::getsockname(fd, (&raw mut got).cast(), &mut got_len);
+            assert!(
+                named == 0,
+                "getsockname: {}",
+                std::io::Error::last_os_error()
+            );
+            ClosedPort {
+                _socket: socket,
+                port: u16::from_be(got.sin_port),
+            }
+        }
+    }
 }
 
 pub struct S3Server {
