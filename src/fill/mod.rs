@@ -1509,4 +1509,4 @@ fn spawn(name: &str, f: impl FnOnce() + Send + 'static) -> io::Result<()> {
 }
 
 #[cfg(test)]
-mod tests;
+pub(crate) mod tests;

@@ -382,16 +382,17 @@ fn fed_digest_source(
     (src, feed)
 }
 
-/// A gate that holds whoever waits at it until it is opened, once and for all.
+/// A gate that holds whoever waits at it until it is opened, once and for all (the fill's
+/// tests and the open table's).
 #[derive(Clone)]
-struct Gate(Arc<(Mutex<bool>, Condvar)>);
+pub(crate) struct Gate(Arc<(Mutex<bool>, Condvar)>);
 
 impl Gate {
-    fn new() -> Gate {
+    pub(crate) fn new() -> Gate {
         Gate(Arc::new((Mutex::new(false), Condvar::new())))
     }
 
-    fn wait(&self) {
+    pub(crate) fn wait(&self) {
         let (open, opened) = &*self.0;
         let mut open = open.lock();
         while !*open {
@@ -399,7 +400,20 @@ impl Gate {
         }
     }
 
-    fn open(&self) {
+    /// Whether the gate opened within `limit`.
+    pub(crate) fn wait_at_most(&self, limit: Duration) -> bool {
+        let deadline = Instant::now() + limit;
+        let (open, opened) = &*self.0;
+        let mut open = open.lock();
+        while !*open {
+            if opened.wait_until(&mut open, deadline).timed_out() {
+                return *open;
+            }
+        }
+        true
+    }
+
+    pub(crate) fn open(&self) {
         *self.0 .0.lock() = true;
         self.0 .1.notify_all();
     }

@@ -239,6 +239,7 @@ fn handles_are_unique_and_released_once() {
     assert_eq!(t.open_handles(), (0, 0));
 }
 
+use crate::fill::tests::Gate;
 use crate::fill::{Input, Target, CHUNK};
 
 /// A fill of `len` bytes into a scratch file, each chunk taking `per_chunk`.
@@ -259,7 +260,7 @@ fn checked_fill(
 /// A fill whose chunks wait for `pace(offset)` before they are made.
 fn paced_fill(
     len: u64,
-    pace: impl Fn(u64) + Send + Sync + Copy + 'static,
+    pace: impl Fn(u64) + Send + Sync + Clone + 'static,
     check: Option<Arc<crate::fill::CheckFn>>,
     made: Arc<AtomicU64>,
 ) -> Arc<Fill> {
@@ -270,8 +271,9 @@ fn paced_fill(
         }
         Ok(())
     };
+    let made_here = make.clone();
     let unlock = move |off, buf: &mut [u8]| {
-        make(off, buf)?;
+        made_here(off, buf)?;
         made.fetch_add(buf.len() as u64, Ordering::SeqCst);
         Ok(())
     };
@@ -410,19 +412,15 @@ fn an_open_does_not_wait_for_a_whole_decode() {
     let live = Arc::new(AtomicUsize::new(0));
     // Chunks past the fourth wait for the open: an open that waited for the whole decode
     // would find the gate still shut after 30 s.
-    static GATE: (std::sync::Mutex<bool>, std::sync::Condvar) =
-        (std::sync::Mutex::new(false), std::sync::Condvar::new());
-    static GATE_TIMED_OUT: AtomicBool = AtomicBool::new(false);
-    let wait_for_open = |off: u64| {
-        if off >= 4 * CHUNK && !GATE_TIMED_OUT.load(Ordering::SeqCst) {
-            let (open, opened) = &GATE;
-            let guard = open.lock().unwrap();
-            let (_open, waited) = opened
-                .wait_timeout_while(guard, Duration::from_secs(30), |open| !*open)
-                .unwrap();
-            if waited.timed_out() {
-                GATE_TIMED_OUT.store(true, Ordering::SeqCst);
-            }
+    let gate = Gate::new();
+    let shut_too_long = Arc::new(AtomicBool::new(false));
+    let (g, late) = (gate.clone(), shut_too_long.clone());
+    let wait_for_open = move |off: u64| {
+        if off >= 4 * CHUNK
+            && !late.load(Ordering::SeqCst)
+            && !g.wait_at_most(Duration::from_secs(30))
+        {
+            late.store(true, Ordering::SeqCst);
         }
     };
     let a = t.open_copy(
@@ -431,10 +429,9 @@ fn an_open_does_not_wait_for_a_whole_decode() {
         || Some(paced_fill(20 * CHUNK, wait_for_open, None, Arc::default())),
         backed(&live),
     );
-    *GATE.0.lock().unwrap() = true;
-    GATE.1.notify_all();
+    gate.open();
     assert!(
-        !GATE_TIMED_OUT.load(Ordering::SeqCst),
+        !shut_too_long.load(Ordering::SeqCst),
         "the open waited for the whole decode"
     );
     let Opened::Fuse { fill: Some(f), .. } = &a else {
