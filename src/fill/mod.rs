@@ -1192,10 +1192,8 @@ impl Inner {
                     return (self.source.unlock)(at, place);
                 };
                 let piece = &mut buf[..len];
-                let result = (self.source.decode)(at, piece)
-                    .and_then(|()| file.write_all_at(piece, at).map_err(ReadError::Io));
-                PIECE_BUFFERS_FREE.lock().push(buf);
-                result
+                (self.source.decode)(at, piece)
+                    .and_then(|()| file.write_all_at(piece, at).map_err(ReadError::Io))
             })
         };
         let result = std::panic::catch_unwind(AssertUnwindSafe(|| match pool {
@@ -1483,9 +1481,9 @@ static PIECE_BUFFERS_FREE: Mutex<Vec<crate::secmem::SecureBuf>> = Mutex::new(Vec
 static PIECE_BUFFERS_MADE: std::sync::atomic::AtomicUsize = std::sync::atomic::AtomicUsize::new(0);
 
 /// A piece buffer, if one is free or may still be made.
-fn take_piece_buffer() -> Option<crate::secmem::SecureBuf> {
+fn take_piece_buffer() -> Option<PieceBuffer> {
     if let Some(b) = PIECE_BUFFERS_FREE.lock().pop() {
-        return Some(b);
+        return Some(PieceBuffer(Some(b)));
     }
     let made = PIECE_BUFFERS_MADE.fetch_add(1, Ordering::Relaxed);
     let buf = (made < PIECE_BUFFERS)
@@ -1494,7 +1492,32 @@ fn take_piece_buffer() -> Option<crate::secmem::SecureBuf> {
     if buf.is_none() {
         PIECE_BUFFERS_MADE.fetch_sub(1, Ordering::Relaxed);
     }
-    buf
+    buf.map(|b| PieceBuffer(Some(b)))
+}
+
+/// A piece buffer taken; back among the free ones when dropped, a decode that panicked
+/// included.
+struct PieceBuffer(Option<crate::secmem::SecureBuf>);
+
+impl std::ops::Deref for PieceBuffer {
+    type Target = [u8];
+    fn deref(&self) -> &[u8] {
+        self.0.as_deref().expect("a live piece buffer")
+    }
+}
+
+impl std::ops::DerefMut for PieceBuffer {
+    fn deref_mut(&mut self) -> &mut [u8] {
+        self.0.as_deref_mut().expect("a live piece buffer")
+    }
+}
+
+impl Drop for PieceBuffer {
+    fn drop(&mut self) {
+        if let Some(b) = self.0.take() {
+            PIECE_BUFFERS_FREE.lock().push(b);
+        }
+    }
 }
 
 /// The error of an unlock that panicked (a bug): its chunk fails alone.

@@ -1188,8 +1188,30 @@ fn cached_pieces_without_a_buffer_are_unlocked_in_place() {
     src.in_page_cache = Some(Box::new(|_, _| true));
     let f = start(n * CHUNK, src, Priority::Demand);
     let all = copy_bytes(&f.wait_complete(Duration::from_secs(60)).expect("complete"));
-    super::PIECE_BUFFERS_FREE.lock().extend(held);
+    drop(held);
     expect(0, &all);
     let pieces = (n * CHUNK / super::WRITE_PIECE) as usize;
     assert_eq!(fetches.load(Ordering::SeqCst), pieces, "a fetch per piece");
+}
+
+/// A decode that panics (a bug) fails its chunk, and the piece buffer it held goes back
+/// among the free ones: every buffer can still be had.
+#[test]
+fn a_panicking_decode_gives_its_piece_buffer_back() {
+    let _turn = PIECE_BUFFERS_TURN.lock();
+    let (mut src, _, _) = sealed_source(4, None);
+    src.in_page_cache = Some(Box::new(|_, _| true));
+    let decode = std::mem::replace(&mut src.decode, Box::new(|_, _| Ok(())));
+    src.decode = Box::new(move |off, buf| {
+        assert!(off != CHUNK, "a decode bug");
+        decode(off, buf)
+    });
+    let f = start(3 * CHUNK, src, Priority::Demand);
+    assert!(f.wait_complete(Duration::from_secs(60)).is_none());
+    assert_eq!(f.progress(), Progress::Broken);
+    let mut held = Vec::new();
+    wait_until(30, "every piece buffer", || {
+        held.extend(std::iter::from_fn(super::take_piece_buffer));
+        held.len() == super::PIECE_BUFFERS
+    });
 }
