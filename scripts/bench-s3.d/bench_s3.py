@@ -21,7 +21,10 @@ Systems (each reads the whole shard once, sequentially, 1 MiB at a time, cold):
   rclone          rclone mount of the bucket, the plain shard read (when rclone works)
 For kllm-mount also: time to the first byte (from the mount command's start) and the
 daemon's peak memory (VmHWM). Each round runs the systems in turn, in reverse order every
-other round; the ratios are medians of ratios paired round by round.
+other round; the ratios are medians of ratios paired round by round. Before each system the
+host's pace is taken (SHA-256 of 64 MiB in memory on one core): on a shared VM the same CPU
+work runs at a pace that moves by up to 2x within a minute, and the report says how far it
+moved during the run.
 """
 
 import argparse
@@ -391,7 +394,9 @@ class Bench:
             for r in range(self.a.rounds):
                 for name, fn in (systems if r % 2 == 0 else systems[::-1]):
                     self.cold()
+                    pace = host_pace()
                     res = fn()
+                    res["host_pace_mb_s"] = pace
                     if "seconds" in res:
                         res["mb_s"] = self.size / MiB / res["seconds"]
                     log(f"round {r + 1} {name}: {json.dumps(res)}")
@@ -403,6 +408,22 @@ class Bench:
                 self.server.terminate()
                 self.server.wait()
         return results
+
+
+PACE_BYTES = 64 * MiB
+_PACE_BUF = None
+
+
+def host_pace():
+    """MiB/s of SHA-256 over 64 MiB in memory on this core: the same CPU work each time, so
+    its spread over a run is the host's, not any system's."""
+    import hashlib
+    global _PACE_BUF
+    if _PACE_BUF is None:
+        _PACE_BUF = os.urandom(PACE_BYTES)
+    t0 = time.perf_counter()
+    hashlib.sha256(_PACE_BUF).digest()
+    return PACE_BYTES / MiB / (time.perf_counter() - t0)
 
 
 def median(xs):
@@ -460,6 +481,13 @@ def report(results, size, a):
     if w:
         lines.append(f"- ranged-gets / wire: {w[0]:.2f}x ({w[1]:.2f}-{w[2]:.2f}): what keeping "
                      "the bytes in fresh memory costs against sending them nowhere")
+    paces = sorted(r["host_pace_mb_s"] for runs in results.values() for r in runs
+                   if r.get("host_pace_mb_s"))
+    if paces:
+        lines.append(f"- host pace (SHA-256 of 64 MiB in memory, one core, before each system): "
+                     f"median {paces[len(paces) // 2]:.0f} MiB/s, {paces[0]:.0f}-{paces[-1]:.0f}: "
+                     f"the same CPU work ran {paces[-1] / paces[0]:.2f}x faster at the host's "
+                     "best than at its worst in this run")
     return "\n".join(lines) + "\n"
 
 
