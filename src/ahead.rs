@@ -18,7 +18,8 @@
 //! Fetch ahead ([`FetchAhead`]) is the same idea through FUSE: the shards' sealed bytes are
 //! brought in, in that order (remote parts kept until read, local pages into the page
 //! cache), and decoded into the kernel's page cache of the mount on a second thread beside
-//! the next fetch; under a manifest, each shard right after its check.
+//! the next fetch; under a manifest, each shard right after its check, or, remote, from the
+//! bytes its check downloads (`ShardWalk::check_and_store`).
 
 use std::cmp::Ordering;
 use std::collections::HashSet;
@@ -199,7 +200,8 @@ fn run(view: &View, budget: impl Fn() -> Option<u64>, decode: impl Fn(Ino, usize
 /// thread of its own in the background (`SCHED_IDLE`): first the files other than shards
 /// (small, and what engines open first: config, tokenizer, index), then each shard in the
 /// order engines load them ([`order`]), each followed at once by its fetch ahead
-/// ([`ShardWalk`]), so the first shard is decoded into the kernel while the next is hashed.
+/// ([`ShardWalk`]), so the first shard is decoded into the kernel while the next is hashed;
+/// a remote shard is stored from the bytes its hash reads, downloaded once.
 /// Through FUSE an open of such a file waits for its verdict: hashed ahead, it finds the
 /// verdict in, or its hash under way and urged to the normal policy (a hash one waits for
 /// must not run only on idle cycles). A local file's sealed bytes are then in the page
@@ -259,6 +261,14 @@ impl CheckAhead {
             others.into_iter().for_each(check);
             let mut walk = fetch.map(|plan| plan.walk(&view));
             for &ino in &shards {
+                // A remote shard read once for both its hash and its store; any other
+                // hashed, then fetched ahead.
+                if walk
+                    .as_mut()
+                    .is_some_and(|w| w.check_and_store(&view, &c, ino))
+                {
+                    continue;
+                }
                 check(ino);
                 if view.failed_check(ino) {
                     // Its reads fail: nothing of it is worth bringing in.
@@ -299,6 +309,11 @@ impl CheckAhead {
         if let Some(tid) = s.tid {
             run_in_background(tid, true);
         }
+    }
+
+    /// Whether an open waits for the verdict of the file hashed now.
+    fn urged(&self) -> bool {
+        self.state.lock().urged
     }
 
     /// An open is about to wait for file `ino`'s verdict: a hash of it under way ahead is
@@ -366,6 +381,8 @@ pub trait PageCache: Send + Sync {
     fn look_up(&self, path: &str) -> std::io::Result<()>;
     /// Put `bytes`, the view's bytes of file `ino` at `off`, into its page cache.
     fn store(&self, ino: Ino, off: u64, bytes: &[u8]) -> std::io::Result<()>;
+    /// Drop every page of file `ino` from its page cache.
+    fn invalidate(&self, ino: Ino) -> std::io::Result<()>;
 }
 
 /// The widest step of fetch ahead, in bytes asked for at once (each step waits for its
@@ -382,6 +399,14 @@ const STORE_PIECE: usize = 1 << 20;
 /// The most sealed bytes held in the daemon's memory (a remote source's parts) that were
 /// handed to the store thread and not stored yet: the fetch waits beyond it.
 const HANDED_HELD_MAX: u64 = 64 << 20;
+/// Sealed bytes of a remote shard under a manifest read and hashed at once by check ahead,
+/// then handed to the store thread in the same buffer (as `source::sha256` reads).
+const HASH_STEP: usize = 8 << 20;
+/// Buffers of `HASH_STEP` in the handoff: one read and hashed while the other is unlocked
+/// and stored.
+const HASH_BUFFERS: usize = 2;
+/// How often a check that waits for a free buffer looks whether an open now waits for it.
+const BUFFER_POLL: Duration = Duration::from_millis(20);
 
 impl FetchAhead {
     pub fn new() -> Arc<FetchAhead> {
@@ -526,6 +551,90 @@ impl<S: Steps> ShardWalk<S> {
     }
 }
 
+impl ShardWalk<Storing> {
+    /// Check remote shard `ino` under a manifest by reading it once: its sealed bytes are
+    /// hashed a step at a time for the verdict (the file's digest fed, as a passthrough fill
+    /// feeds it), and each step within the bound is handed in its buffer to the store
+    /// thread, which unlocks it in place and stores it in the kernel's page cache. Hashed,
+    /// then fetched ahead, the shard was downloaded twice. The pages stored before the
+    /// verdict are read by no one: every open of the file waits for the verdict, and a
+    /// failed one refuses them all; they are dropped then. While an open waits, the hash
+    /// never waits for a buffer: a step without one is hashed only, and read by the reads.
+    /// Whether the shard was checked here (false: not a remote shard awaiting its verdict,
+    /// no store thread, or an open hashes it).
+    fn check_and_store(&mut self, view: &View, check: &CheckAhead, ino: Ino) -> bool {
+        let (Some(handoff), Some(cache)) = (self.steps.handoff.clone(), self.steps.cache.clone())
+        else {
+            return false;
+        };
+        let Ok(Some(object)) = view.sealed_object(ino) else {
+            return false;
+        };
+        if handoff.ended() || !object.holds_fetched_ahead() || !view.awaits_verdict(ino) {
+            return false;
+        }
+        if !check.claim(ino) {
+            return false;
+        }
+        let Some(mut feeder) = view.digest_feeder(ino) else {
+            check.done();
+            return false;
+        };
+        log::debug!(
+            "check ahead: {} hashed and stored in one read",
+            view.path_of(ino)
+        );
+        let mut plain: Vec<u8> = Vec::new();
+        let mut off = 0;
+        while off < object.len() {
+            let n = (HASH_STEP as u64).min(object.len() - off) as usize;
+            let mut buf = match self.total < self.bound {
+                true => handoff.take_buffer(|| check.urged()),
+                false => None,
+            };
+            let bytes = match buf.as_mut() {
+                Some(b) => &mut b[..n],
+                None => {
+                    plain.resize(n, 0);
+                    &mut plain[..n]
+                }
+            };
+            if let Err(e) = crate::source::raw_read(&**object, off, bytes) {
+                // The feeder given up: the verdict hashes the file itself, and meets the
+                // failure there.
+                log::debug!("check ahead: {} not read at {off}: {e}", view.path_of(ino));
+                if let Some(b) = buf {
+                    handoff.give_back(b);
+                }
+                break;
+            }
+            feeder.feed(off, bytes);
+            if let Some(b) = buf {
+                self.total += n as u64;
+                crate::metrics::Stats::add(&self.steps.stats.bytes_fetched_ahead, n as u64);
+                handoff.hand_hashed(Hashed {
+                    ino,
+                    off,
+                    len: n,
+                    buf: b,
+                });
+            }
+            off += n as u64;
+        }
+        // Whole, the digest is in; else the verdict hashes the file itself.
+        drop(feeder);
+        if view.verify(ino).is_err() {
+            handoff.drain();
+            if let Err(e) = cache.invalidate(ino) {
+                log::warn!("{}: its pages not dropped ({e})", view.path_of(ino));
+            }
+        }
+        check.done();
+        log::debug!("check ahead: {} checked", view.path_of(ino));
+        true
+    }
+}
+
 impl<S> Drop for ShardWalk<S> {
     fn drop(&mut self) {
         log::debug!("fetch ahead: done, {} bytes brought in", self.total);
@@ -536,6 +645,8 @@ impl<S> Drop for ShardWalk<S> {
 struct Storing {
     stats: Arc<crate::metrics::Stats>,
     handoff: Option<Arc<Handoff>>,
+    /// The page cache the store thread stores into.
+    cache: Option<Arc<dyn PageCache>>,
 }
 
 impl Storing {
@@ -549,10 +660,11 @@ impl Storing {
             return Storing {
                 stats,
                 handoff: None,
+                cache: None,
             };
         };
         let handoff = Arc::new(Handoff::default());
-        let (h, view) = (handoff.clone(), view.clone());
+        let (h, view, kept) = (handoff.clone(), view.clone(), cache.clone());
         let run = move || {
             // However this thread ends (a bug's panic included), the fetch thread must not
             // wait for it.
@@ -562,9 +674,19 @@ impl Storing {
             let Some(mut store) = StoreAhead::new(&view, cache) else {
                 return;
             };
-            while let Some((ino, off, len)) = h.next() {
-                let went_on = store.decode_and_store(ino, off, len, &ahead);
-                h.stored();
+            while let Some(work) = h.next() {
+                let went_on = match work {
+                    Work::Fetched(ino, off, len) => {
+                        let went_on = store.decode_and_store(ino, off, len, &ahead);
+                        h.stored();
+                        went_on
+                    }
+                    Work::Hashed(mut hashed) => {
+                        let went_on = store.unlock_and_store(&mut hashed);
+                        h.give_back(hashed.buf);
+                        went_on
+                    }
+                };
                 if !went_on {
                     return;
                 }
@@ -579,6 +701,7 @@ impl Storing {
         Storing {
             stats,
             handoff: started.then_some(handoff),
+            cache: Some(kept),
         }
     }
 }
@@ -629,10 +752,32 @@ struct Handed {
     /// Each step: bytes `[off, off + len)` of shard `ino`, and whether they are held in the
     /// daemon's memory. The front one stays until stored.
     steps: std::collections::VecDeque<(Ino, u64, u64, bool)>,
+    /// Sealed bytes check ahead read and hashed, to unlock and store.
+    hashed: std::collections::VecDeque<Hashed>,
+    /// Buffers for `hashed` not in use, and how many are (taken, handed or being stored).
+    free: Vec<crate::secmem::SecureBuf>,
+    out: usize,
     /// No more steps will come.
     closed: bool,
     /// The store thread is gone (the kernel refused a store).
     ended: bool,
+}
+
+/// Bytes `[off, off + len)` of shard `ino`, sealed, in `buf` (locked memory: the store
+/// thread unlocks them in place).
+struct Hashed {
+    ino: Ino,
+    off: u64,
+    len: usize,
+    buf: crate::secmem::SecureBuf,
+}
+
+/// What the store thread takes next.
+enum Work {
+    /// Bytes `[off, off + len)` of shard `ino` fetched ahead: decoded from the source.
+    Fetched(Ino, u64, u64),
+    /// Sealed bytes read by check ahead.
+    Hashed(Hashed),
 }
 
 impl Handed {
@@ -657,18 +802,75 @@ impl Handoff {
         self.changed.notify_all();
     }
 
-    /// The next step to store, once there is one; `None` once closed and empty.
-    fn next(&self) -> Option<(Ino, u64, u64)> {
+    /// The next work to store, once there is some; `None` once closed and empty.
+    fn next(&self) -> Option<Work> {
         let mut s = self.state.lock();
         loop {
+            if let Some(hashed) = s.hashed.pop_front() {
+                return Some(Work::Hashed(hashed));
+            }
             if let Some(&(ino, off, len, _)) = s.steps.front() {
-                return Some((ino, off, len));
+                return Some(Work::Fetched(ino, off, len));
             }
             if s.closed {
                 return None;
             }
             self.changed.wait(&mut s);
         }
+    }
+
+    /// A buffer for check ahead to read a step into, once one is free, unless `urged()`
+    /// says an open waits (then at once or none), or the store thread is gone.
+    fn take_buffer(&self, urged: impl Fn() -> bool) -> Option<crate::secmem::SecureBuf> {
+        let mut s = self.state.lock();
+        loop {
+            if s.ended {
+                return None;
+            }
+            if let Some(b) = s.free.pop() {
+                s.out += 1;
+                return Some(b);
+            }
+            if s.out < HASH_BUFFERS {
+                // Made outside the lock: the store thread must not wait for an mmap.
+                drop(s);
+                let made = crate::secmem::SecureBuf::new(HASH_STEP);
+                s = self.state.lock();
+                match made {
+                    Ok(b) => s.free.push(b),
+                    Err(e) => {
+                        log::debug!("check ahead stores nothing (no memory: {e})");
+                        return None;
+                    }
+                }
+                continue;
+            }
+            if urged() {
+                return None;
+            }
+            self.changed.wait_for(&mut s, BUFFER_POLL);
+        }
+    }
+
+    /// Hand sealed bytes read and hashed to the store thread (dropped if it is gone).
+    fn hand_hashed(&self, hashed: Hashed) {
+        let mut s = self.state.lock();
+        if s.ended {
+            s.out = s.out.saturating_sub(1);
+            return;
+        }
+        s.hashed.push_back(hashed);
+        self.changed.notify_all();
+    }
+
+    /// A buffer from [`Handoff::take_buffer`] is free again.
+    fn give_back(&self, buf: crate::secmem::SecureBuf) {
+        let mut s = self.state.lock();
+        s.out = s.out.saturating_sub(1);
+        if !s.ended {
+            s.free.push(buf);
+        }
+        self.changed.notify_all();
     }
 
     /// The step [`Handoff::next`] gave was stored (or left).
@@ -680,8 +882,9 @@ impl Handoff {
     /// Wait until nothing handed on is left to store; whether anything was.
     fn drain(&self) -> bool {
         let mut s = self.state.lock();
-        let waited = !s.steps.is_empty();
-        while !s.steps.is_empty() && !s.ended {
+        let busy = |s: &Handed| !s.steps.is_empty() || !s.hashed.is_empty() || s.out > 0;
+        let waited = busy(&s);
+        while busy(&s) && !s.ended {
             self.changed.wait(&mut s);
         }
         waited
@@ -696,6 +899,10 @@ impl Handoff {
         let mut s = self.state.lock();
         s.ended = true;
         s.steps.clear();
+        s.hashed.clear();
+        s.free.clear();
+        // Buffers still taken are dropped by the check that took them.
+        s.out = 0;
         self.changed.notify_all();
     }
 
@@ -741,15 +948,8 @@ impl<'a> StoreAhead<'a> {
         if self.failed == Some(ino) {
             return true;
         }
-        if self.known != Some(ino) {
-            if let Err(e) = self.cache.look_up(&path()) {
-                log::debug!(
-                    "fetch ahead: {} not looked up ({e}); nothing decoded ahead",
-                    path()
-                );
-                return false;
-            }
-            self.known = Some(ino);
+        if !self.know(ino) {
+            return false;
         }
         let end = off + len;
         let mut at = off;
@@ -775,6 +975,62 @@ impl<'a> StoreAhead<'a> {
         }
         if at >= end {
             log::debug!("store ahead: {} stored to {end}", path());
+        }
+        true
+    }
+
+    /// Have the kernel know file `ino` before its pages are stored; false (logged) if it
+    /// cannot.
+    fn know(&mut self, ino: Ino) -> bool {
+        if self.known != Some(ino) {
+            if let Err(e) = self.cache.look_up(&self.view.path_of(ino)) {
+                log::debug!(
+                    "fetch ahead: {} not looked up ({e}); nothing decoded ahead",
+                    self.view.path_of(ino)
+                );
+                return false;
+            }
+            self.known = Some(ino);
+        }
+        true
+    }
+
+    /// Unlock the sealed bytes check ahead read and hashed, in place, on the background
+    /// pool (every core, taking only the cycles no one else wants), and store them; whether
+    /// to go on (false once the kernel failed, logged). Stored whatever the verdict will be:
+    /// no open of the file is answered before it, and a failed one drops them.
+    fn unlock_and_store(&mut self, hashed: &mut Hashed) -> bool {
+        let Hashed { ino, off, len, .. } = *hashed;
+        if self.failed == Some(ino) {
+            return true;
+        }
+        if !self.know(ino) {
+            return false;
+        }
+        let bytes = &mut hashed.buf[..len];
+        let mut unlock = || self.view.unlock_in_place(ino, off, bytes);
+        let unlocked = match crate::fill::ahead_pool() {
+            Some(pool) => pool.install(unlock),
+            None => unlock(),
+        };
+        if let Err(e) = unlocked {
+            log::debug!(
+                "check ahead: {} not decoded at {off}: {e}",
+                self.view.path_of(ino)
+            );
+            self.failed = Some(ino);
+            return true;
+        }
+        for (i, piece) in hashed.buf[..len].chunks(STORE_PIECE).enumerate() {
+            let at = off + (i * STORE_PIECE) as u64;
+            if let Err(e) = self.cache.store(ino, at, piece) {
+                log::debug!(
+                    "check ahead: {} not stored at {at}: {e}",
+                    self.view.path_of(ino)
+                );
+                return false;
+            }
+            crate::metrics::Stats::add(&self.view.stats().bytes_stored_ahead, piece.len() as u64);
         }
         true
     }
@@ -973,10 +1229,14 @@ mod tests {
         let waiter = std::thread::spawn(move || h2.hand(1, 64 * M, 8 * M, true));
         pause();
         assert!(!waiter.is_finished(), "64 MiB held and not stored: waits");
-        assert_eq!(h.next(), Some((1, 0, 64 * M)));
+        assert_eq!(fetched(h.next()), Some((1, 0, 64 * M)));
         h.stored();
         waiter.join().unwrap();
-        assert_eq!(h.next(), Some((2, 0, 100 * M)), "in the order handed");
+        assert_eq!(
+            fetched(h.next()),
+            Some((2, 0, 100 * M)),
+            "in the order handed"
+        );
 
         let h3 = h.clone();
         let drainer = std::thread::spawn(move || h3.drain());
@@ -987,6 +1247,66 @@ mod tests {
         assert!(h.ended());
         h.hand(3, 0, 200 * M, true);
         assert!(!h.drain(), "nothing is handed to a store that is gone");
+    }
+
+    /// The step a store thread was given, if fetched ahead.
+    fn fetched(work: Option<Work>) -> Option<(Ino, u64, u64)> {
+        match work? {
+            Work::Fetched(ino, off, len) => Some((ino, off, len)),
+            Work::Hashed(h) => panic!("hashed bytes of {} at {}", h.ino, h.off),
+        }
+    }
+
+    /// Check ahead reads a checked shard into at most two buffers: a third waits for one
+    /// to come back from the store thread, unless an open waits for the verdict (then the
+    /// step goes without); hashed bytes go to the store thread before steps fetched ahead,
+    /// a drain waits for them, and once the store thread is gone nothing is taken or kept.
+    #[test]
+    fn check_ahead_hands_hashed_bytes_in_two_buffers_and_never_waits_when_urged() {
+        let pause = || std::thread::sleep(Duration::from_millis(100));
+        let h = Arc::new(Handoff::default());
+        let one = h.take_buffer(|| false).expect("a first buffer");
+        let two = h.take_buffer(|| false).expect("a second buffer");
+        assert!(
+            h.take_buffer(|| true).is_none(),
+            "urged: no third, and no wait"
+        );
+        let h2 = h.clone();
+        let waiter = std::thread::spawn(move || h2.take_buffer(|| false).is_some());
+        pause();
+        assert!(!waiter.is_finished(), "not urged: waits for a buffer");
+        h.hand(7, 0, 8, false);
+        h.hand_hashed(Hashed {
+            ino: 3,
+            off: 0,
+            len: 5,
+            buf: one,
+        });
+        let Some(Work::Hashed(first)) = h.next() else {
+            panic!("hashed bytes first");
+        };
+        assert_eq!((first.ino, first.off, first.len), (3, 0, 5));
+        let h3 = h.clone();
+        let drainer = std::thread::spawn(move || h3.drain());
+        h.give_back(first.buf);
+        assert!(waiter.join().unwrap(), "the buffer given back is taken");
+        pause();
+        assert!(
+            !drainer.is_finished(),
+            "buffers out and a step: the drain waits"
+        );
+        assert_eq!(fetched(h.next()), Some((7, 0, 8)));
+        h.stored();
+        h.give_back(two);
+        pause();
+        assert!(!drainer.is_finished(), "one buffer still out");
+        drop(EndOnDrop(h.clone()));
+        assert!(drainer.join().unwrap());
+        assert!(
+            h.take_buffer(|| false).is_none(),
+            "the store thread is gone"
+        );
+        assert!(!h.drain());
     }
 
     #[test]

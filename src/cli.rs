@@ -309,12 +309,18 @@ fn warn_at_mount(args: &Args, w: &str) {
     log::warn!("{w}");
 }
 
-/// Through FUSE, a remote file under a manifest is hashed before its first byte (the hash
-/// reads it whole) and then downloaded again by its reads, unless a node cache keeps the
-/// first download: worth saying once at mount, with what avoids it.
+/// Through FUSE without check ahead (`--no-decode-ahead`), a remote file under a manifest
+/// is hashed before its first byte (the hash reads it whole) and then downloaded again by
+/// its reads, unless a node cache keeps the first download: worth saying once at mount,
+/// with what avoids it. Check ahead decodes each shard it hashes into the kernel's page
+/// cache from the same download (`ahead::ShardWalk::check_and_store`).
 fn downloaded_twice(args: &Args, served: &Served) -> Option<String> {
     let remote = !matches!(Location::parse(args.sealed()), Ok(Location::Local(_)));
-    if !remote || served.mode.passthrough().is_some() || args.cache_dir.is_some() {
+    if !remote
+        || served.mode.passthrough().is_some()
+        || args.cache_dir.is_some()
+        || !args.no_decode_ahead
+    {
         return None;
     }
     let view = &served.view;
@@ -323,9 +329,10 @@ fn downloaded_twice(args: &Args, served: &Served) -> Option<String> {
         .count();
     (checked > 0).then(|| {
         format!(
-            "served through FUSE, the {checked} files under the manifest are each downloaded \
-             twice (hashed before their first byte, then read); --cache-dir DIR keeps the \
-             first download (passthrough mode, as root, downloads each once)"
+            "served through FUSE with --no-decode-ahead, the {checked} files under the \
+             manifest are each downloaded twice (hashed before their first byte, then read); \
+             --cache-dir DIR keeps the first download (check ahead, on by default, and \
+             passthrough mode, as root, download each shard once)"
         )
     })
 }

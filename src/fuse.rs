@@ -76,6 +76,15 @@ impl PageCache for MountPageCache {
             .ok_or(std::io::ErrorKind::NotConnected)?;
         notifier.store(INodeNo(ino), off, bytes)
     }
+
+    /// `FUSE_NOTIFY_INVAL_INODE` of the whole file (a length of 0: to its end).
+    fn invalidate(&self, ino: Ino) -> std::io::Result<()> {
+        let notifier = self
+            .notifier
+            .get()
+            .ok_or(std::io::ErrorKind::NotConnected)?;
+        notifier.inval_inode(INodeNo(ino), 0, 0)
+    }
 }
 
 impl KllmFs {

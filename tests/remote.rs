@@ -230,6 +230,89 @@ fn a_verified_passthrough_load_downloads_each_file_once() {
 }
 
 #[test]
+fn a_fuse_mount_under_a_manifest_downloads_a_shard_checked_ahead_once() {
+    // Through FUSE, check ahead hashes each remote shard from the bytes it also decodes into
+    // the kernel's page cache: read after its check, a shard is not downloaded again.
+    let Some(server) = server_with_fixtures() else {
+        return;
+    };
+    let case = case("llm_v2");
+    let url = server.object_url(BUCKET, &format!("http/{}", case.name));
+    let sizes: Vec<(String, u64)> = fs::read_dir(case.sealed())
+        .unwrap()
+        .map(|e| e.unwrap())
+        .filter(|e| e.file_name() != "kllm.key")
+        .map(|e| {
+            let name = e.file_name().to_string_lossy().into_owned();
+            (name, e.metadata().unwrap().len())
+        })
+        .collect();
+    let shards: u64 = sizes
+        .iter()
+        .filter(|(n, _)| n.ends_with(".safetensors"))
+        .map(|(_, len)| len)
+        .sum();
+    let m = Mnt::new();
+    mount_remote(&m, &url, &case, &["--mode", "fuse"]);
+    wait_for(30, "every shard checked and stored ahead", || {
+        let st = status(&m);
+        st["failed_files"].as_u64() != Some(0) || st["bytes_stored_ahead"].as_u64() >= Some(shards)
+    });
+    let st = status(&m);
+    let n = |k: &str| st[k].as_u64().unwrap_or_else(|| panic!("no {k} in {st}"));
+    assert_eq!(n("failed_files"), 0, "{st}");
+    // Each file hashed once (the small ones then read again); the shards not fetched again
+    // to be stored (hashed, then fetched ahead, they came in twice: 521 against 270 kB).
+    let fetched_at_check = n("remote_bytes_fetched");
+    assert!(
+        fetched_at_check < n("verified_bytes") + shards / 2,
+        "{fetched_at_check} bytes fetched to check and store {shards} bytes of shards: {st}"
+    );
+    for (name, _) in sizes.iter().filter(|(n, _)| n.ends_with(".safetensors")) {
+        let want = fs::read(case.view().join(name)).unwrap();
+        assert!(
+            fs::read(m.path(name)).unwrap() == want,
+            "{name}: not byte-exact"
+        );
+    }
+    let st = status(&m);
+    let read_shards = st["remote_bytes_fetched"].as_u64().unwrap() - fetched_at_check;
+    assert!(
+        read_shards < shards / 2,
+        "the shards ({shards} bytes) fetched again by their reads: {read_shards} bytes: {st}"
+    );
+    // Every file exact, and ranges of each through O_DIRECT (decoded by the daemon).
+    assert_view(&case, &m, "http fuse, checked ahead", 41);
+    drop(m);
+
+    // A shard that does not match its manifest digest is refused, whatever was decoded of
+    // it ahead; its neighbours read.
+    let keep = tempfile::tempdir().unwrap();
+    let bad = manifest_with_wrong_digest(&case, "model-00002-of-00005.safetensors", keep.path());
+    let m = Mnt::new();
+    mount_remote(
+        &m,
+        &url,
+        &case,
+        &["--manifest", bad.to_str().unwrap(), "--mode", "fuse"],
+    );
+    wait_for(30, "the bad shard's verdict", || {
+        counter(&m, "failed_files") == 1
+    });
+    for _ in 0..2 {
+        assert_eq!(
+            errno_of(
+                fs::read(m.path("model-00002-of-00005.safetensors")),
+                "a shard not matching the manifest"
+            ),
+            EIO
+        );
+    }
+    let want = fs::read(case.view().join("model-00003-of-00005.safetensors")).unwrap();
+    assert!(fs::read(m.path("model-00003-of-00005.safetensors")).unwrap() == want);
+}
+
+#[test]
 fn every_fixture_over_http_with_a_manifest() {
     let Some(server) = server_with_fixtures() else {
         return;
@@ -300,10 +383,11 @@ fn every_fixture_over_http_with_a_manifest() {
     assert!(err.contains("kllm-manifest.json"), "{err}");
 }
 
-/// Through FUSE a file under a manifest is hashed whole before its first byte, then
-/// downloaded again by its reads: the mount says so, with what avoids it, and says nothing
-/// where a node cache keeps the first download, nothing is checked, or passthrough's fill
-/// hashes what it downloads.
+/// Through FUSE without check ahead a file under a manifest is hashed whole before its
+/// first byte, then downloaded again by its reads: the mount says so, with what avoids it,
+/// and says nothing where check ahead hashes and stores each shard from one download, a
+/// node cache keeps the first download, nothing is checked, or passthrough's fill hashes
+/// what it downloads.
 #[test]
 fn a_fuse_mount_under_a_manifest_says_each_file_is_downloaded_twice() {
     let Some(server) = server_with_fixtures() else {
@@ -312,7 +396,7 @@ fn a_fuse_mount_under_a_manifest_says_each_file_is_downloaded_twice() {
     let case = case("llm_v2");
     let url = server.object_url(BUCKET, &format!("http/{}", case.name));
     let said = |args: &[&str]| mount_remote(&Mnt::new(), &url, &case, args);
-    let err = said(&["--mode", "fuse"]);
+    let err = said(&["--mode", "fuse", "--no-decode-ahead"]);
     assert!(
         err.starts_with("kllm-mount: warning: ")
             && err.contains("downloaded twice")
@@ -321,13 +405,15 @@ fn a_fuse_mount_under_a_manifest_says_each_file_is_downloaded_twice() {
     );
     let cache = tempfile::tempdir().unwrap();
     let quiet = [
+        vec!["--mode", "fuse"],
         vec![
             "--mode",
             "fuse",
+            "--no-decode-ahead",
             "--cache-dir",
             cache.path().to_str().unwrap(),
         ],
-        vec!["--mode", "fuse", "--verify", "off"],
+        vec!["--mode", "fuse", "--no-decode-ahead", "--verify", "off"],
     ];
     for args in &quiet {
         let err = said(args);

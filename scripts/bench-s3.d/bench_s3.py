@@ -16,11 +16,12 @@ Systems (each reads the whole shard once, sequentially, 1 MiB at a time, cold):
                   default): what the check costs
   kllm-*-2s       the same two, the read begun 2 s after the mount (an engine importing),
                   timed from the open: what decode ahead (passthrough) and fetch ahead
-                  (FUSE) make of the wait
+                  (FUSE) make of the wait; kllm-fuse-checked-2s: the same under a
+                  manifest, where check ahead hashes and stores each shard from one download
   kllm-s3fs       kllm-mount over an s3fs-fuse mount of the sealed prefix (when s3fs works)
   rclone          rclone mount of the bucket, the plain shard read (when rclone works)
-For kllm-mount also: time to the first byte (from the mount command's start) and the
-daemon's peak memory (VmHWM). Each round runs the systems in turn, in reverse order every
+For kllm-mount also: time to the first byte (from the mount command's start), the
+daemon's peak memory (VmHWM) and the bytes it downloaded (`remote_bytes_fetched`). Each round runs the systems in turn, in reverse order every
 other round; the ratios are medians of ratios paired round by round. Before each system the
 host's pace is taken (SHA-256 of 64 MiB in memory on one core): on a shared VM the same CPU
 work runs at a pace that moves by up to 2x within a minute, and the report says how far it
@@ -300,14 +301,15 @@ class Bench:
         n, _, first = read_all(os.path.join(self.mnt, "model.safetensors"), first=t0)
         dt = time.perf_counter() - t0
         hwm = vm_hwm_kib(pid) if pid else None
+        st = json.loads(subprocess.run([KLLM, "--status", self.mnt], check=True,
+                                       capture_output=True, text=True).stdout)
         if checked:
-            st = json.loads(subprocess.run([KLLM, "--status", self.mnt], check=True,
-                                           capture_output=True, text=True).stdout)
             assert st["verified_files"] >= 1 and st["failed_files"] == 0, st
         unmount(self.mnt)
         assert n == self.size, (n, self.size)
         return {"seconds": dt, "mount_s": t_mount, "first_byte_s": first, "daemon_hwm_mib":
-                hwm / 1024 if hwm else None}
+                hwm / 1024 if hwm else None,
+                "fetched_mib": st["remote_bytes_fetched"] / MiB}
 
     def kllm_over_s3fs(self):
         if not shutil.which("s3fs"):
@@ -326,6 +328,8 @@ class Bench:
         try:
             res = self.kllm("fuse", self.mnt2)
             res["seconds"] = time.perf_counter() - t0
+            # s3fs downloads; kllm-mount reads a local directory.
+            res["fetched_mib"] = None
             return res
         except Exception as e:  # noqa: BLE001
             return {"skipped": f"kllm-mount over s3fs failed: {e}"}
@@ -386,6 +390,7 @@ class Bench:
             ("kllm-pt-checked", lambda: self.kllm("passthrough", checked, True)),
             ("kllm-fuse-2s", lambda: self.kllm("fuse", source, delay=2)),
             ("kllm-pt-2s", lambda: self.kllm("passthrough", source, delay=2)),
+            ("kllm-fuse-checked-2s", lambda: self.kllm("fuse", checked, True, delay=2)),
             ("kllm-s3fs", self.kllm_over_s3fs),
             ("rclone", self.rclone),
         ]
@@ -436,17 +441,19 @@ def report(results, size, a):
     lines = [f"# Remote source: one {size / MiB:.0f} MiB shard from {server} on 127.0.0.1",
  "", f"{a.rounds} rounds, medians; MiB/s over the whole shard (mount included; for the "
              "-2s rows, from the open 2 s after the mount).", "",
-             "| system | MiB/s | s | first byte s | daemon peak MiB |", "|---|---|---|---|---|"]
+             "| system | MiB/s | s | first byte s | daemon peak MiB | MiB downloaded |",
+             "|---|---|---|---|---|---|"]
     for name, runs in results.items():
         if runs and all("skipped" in r for r in runs):
             why = " ".join(runs[0]["skipped"].split()).replace("|", "/")
-            lines.append(f"| {name} | skipped: {why} | | | |")
+            lines.append(f"| {name} | skipped: {why} | | | | |")
             continue
         m = {k: median([r.get(k) for r in runs]) for k in
-             ("mb_s", "seconds", "first_byte_s", "daemon_hwm_mib")}
+             ("mb_s", "seconds", "first_byte_s", "daemon_hwm_mib", "fetched_mib")}
         f = lambda v, d=2: "" if v is None else f"{v:.{d}f}"  # noqa: E731
         lines.append(f"| {name} | {f(m['mb_s'], 0)} | {f(m['seconds'])} | "
-                     f"{f(m['first_byte_s'], 3)} | {f(m['daemon_hwm_mib'], 0)} |")
+                     f"{f(m['first_byte_s'], 3)} | {f(m['daemon_hwm_mib'], 0)} | "
+                     f"{f(m['fetched_mib'], 0)} |")
     lines.append("")
 
     def paired(a, b):
@@ -472,7 +479,7 @@ def report(results, size, a):
             lines.append(f"- {mode}-checked (under a manifest): {c[0]:.2f}x ({c[1]:.2f}-{c[2]:.2f}) "
                          f"{mode}'s MiB/s, {said(paired(mode + '-checked', 'ranged-gets'), 0.8)} "
                          "the server's limit")
-    for mode in ("kllm-fuse", "kllm-pt"):
+    for mode in ("kllm-fuse", "kllm-pt", "kllm-fuse-checked"):
         d = paired(f"{mode}-2s", "ranged-gets")
         if d:
             lines.append(f"- {mode}-2s (the read 2 s after the mount, from the open): "

@@ -1385,7 +1385,7 @@ impl State {
 
 /// The pool decode-ahead runs on: as many threads as cores, each in the background, so an
 /// engine starting up (and any reader) keeps the cores it needs.
-fn ahead_pool() -> Option<&'static rayon::ThreadPool> {
+pub(crate) fn ahead_pool() -> Option<&'static rayon::ThreadPool> {
     static POOL: OnceLock<Option<rayon::ThreadPool>> = OnceLock::new();
     POOL.get_or_init(|| {
         rayon::ThreadPoolBuilder::new()
