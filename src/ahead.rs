@@ -208,6 +208,8 @@ fn run(view: &View, budget: impl Fn() -> Option<u64>, decode: impl Fn(Ino, usize
 /// cache for the reads that follow.
 pub struct CheckAhead {
     state: Mutex<Checking>,
+    /// Signalled when a shard is taken and when the thread ends.
+    moved: parking_lot::Condvar,
 }
 
 #[derive(Default)]
@@ -219,12 +221,35 @@ struct Checking {
     tid: Option<libc::pid_t>,
     /// Files an open asked for before their hash ahead began: hashed by the open itself.
     opened: HashSet<Ino>,
+    /// Remote shards check ahead is to hash and store from one download, not taken yet.
+    coming: HashSet<Ino>,
+    /// The one of them an open waits for: taken next, its hash urged.
+    wanted: Option<Ino>,
+    /// Whether a shard is in hand (an open of another one then hashes it itself, rather
+    /// than wait for a whole shard).
+    on_shard: bool,
+    /// Shards taken whose digest check ahead feeds, or that it left: an open waiting for
+    /// one goes on to its verdict.
+    taken: HashSet<Ino>,
+    /// The thread has ended.
+    ended: bool,
+}
+
+/// Marks check ahead ended however its thread ends, so no open waits for it.
+struct CheckEnded(Arc<CheckAhead>);
+
+impl Drop for CheckEnded {
+    fn drop(&mut self) {
+        self.0.state.lock().ended = true;
+        self.0.moved.notify_all();
+    }
 }
 
 impl CheckAhead {
     fn new() -> CheckAhead {
         CheckAhead {
             state: Mutex::new(Checking::default()),
+            moved: parking_lot::Condvar::new(),
         }
     }
 
@@ -241,8 +266,14 @@ impl CheckAhead {
         }
         let others = others_to_check(&view, &shards);
         let check = Arc::new(CheckAhead::new());
+        if fetch.as_ref().is_some_and(|f| f.page_cache.is_some()) {
+            check.state.lock().coming = (shards.iter().copied())
+                .filter(|&ino| view.awaits_verdict(ino) && is_remote(&view, ino))
+                .collect();
+        }
         let c = check.clone();
         let run = move || {
+            let _ended = CheckEnded(c.clone());
             // SAFETY: gettid has no preconditions.
             c.state.lock().tid = Some(unsafe { libc::gettid() });
             log::debug!(
@@ -260,25 +291,21 @@ impl CheckAhead {
             };
             others.into_iter().for_each(check);
             let mut walk = fetch.map(|plan| plan.walk(&view));
-            for &ino in &shards {
+            let mut todo: std::collections::VecDeque<Ino> = shards.into();
+            while let Some(ino) = c.next_shard(&mut todo) {
                 // A remote shard read once for both its hash and its store; any other
-                // hashed, then fetched ahead.
-                if walk
-                    .as_mut()
-                    .is_some_and(|w| w.check_and_store(&view, &c, ino))
-                {
-                    continue;
-                }
-                check(ino);
-                if view.failed_check(ino) {
-                    // Its reads fail: nothing of it is worth bringing in.
-                    continue;
-                }
-                if let Some(w) = walk.as_mut() {
-                    if !w.shard(&view, ino) {
-                        walk = None;
+                // hashed, then fetched ahead (not if it failed: its reads fail).
+                let stored = (walk.as_mut()).is_some_and(|w| w.check_and_store(&view, &c, ino));
+                c.taken(ino);
+                if !stored {
+                    check(ino);
+                    if let Some(w) = walk.as_mut().filter(|_| !view.failed_check(ino)) {
+                        if !w.shard(&view, ino) {
+                            walk = None;
+                        }
                     }
                 }
+                c.shard_done();
             }
             log::debug!("check ahead: done");
         };
@@ -286,19 +313,48 @@ impl CheckAhead {
         spawn("kllm-check", run, "check ahead", hashed_on_open).then_some(check)
     }
 
-    /// Whether the check-ahead thread hashes file `ino` now (in the background), or leaves
-    /// it to the open that asked for it first.
+    /// Whether the check-ahead thread hashes file `ino` now (in the background, or urged
+    /// if an open waits for it), or leaves it to the open that asked for it first.
     fn claim(&self, ino: Ino) -> bool {
         let mut s = self.state.lock();
         if s.opened.contains(&ino) {
             return false;
         }
+        let urged = s.wanted == Some(ino);
         if let Some(tid) = s.tid {
-            run_in_background(tid, true);
+            run_in_background(tid, !urged);
         }
         s.current = Some(ino);
-        s.urged = false;
+        s.urged = urged;
         true
+    }
+
+    /// The shard to check next: the one an open waits for, else the next in order.
+    fn next_shard(&self, todo: &mut std::collections::VecDeque<Ino>) -> Option<Ino> {
+        let mut s = self.state.lock();
+        let ino = match s.wanted.and_then(|w| todo.iter().position(|&i| i == w)) {
+            Some(at) => todo.remove(at),
+            None => todo.pop_front(),
+        }?;
+        s.coming.remove(&ino);
+        s.on_shard = true;
+        Some(ino)
+    }
+
+    /// Shard `ino` is fed by check ahead now, or was left: an open waiting for it goes on.
+    fn taken(&self, ino: Ino) {
+        let mut s = self.state.lock();
+        if s.taken.insert(ino) {
+            self.moved.notify_all();
+        }
+        if s.wanted == Some(ino) {
+            s.wanted = None;
+        }
+    }
+
+    /// The shard in hand is checked (and fetched ahead).
+    fn shard_done(&self) {
+        self.state.lock().on_shard = false;
     }
 
     fn done(&self) {
@@ -320,6 +376,20 @@ impl CheckAhead {
     /// urged to the normal policy, and one not begun is left to the open. Whether it urged.
     pub fn before_verdict(&self, ino: Ino) -> bool {
         let mut s = self.state.lock();
+        if s.coming.contains(&ino) && !s.on_shard && !s.ended && s.wanted.is_none() {
+            // A remote shard check ahead has not begun while it hashes no other shard:
+            // taken next, from one download that also stores it, rather than hashed here
+            // and downloaded again by the reads.
+            s.wanted = Some(ino);
+            if let Some(tid) = s.tid {
+                run_in_background(tid, false);
+            }
+            log::debug!("check ahead: an open waits for a shard, taken next");
+            while !s.taken.contains(&ino) && !s.ended {
+                self.moved.wait(&mut s);
+            }
+            return true;
+        }
         if s.current == Some(ino) {
             if !s.urged {
                 s.urged = true;
@@ -342,6 +412,12 @@ fn others_to_check(view: &View, shards: &[Ino]) -> Vec<Ino> {
         .map(|(_, ino)| ino)
         .filter(|ino| !shards.contains(ino) && view.awaits_verdict(*ino))
         .collect()
+}
+
+/// Whether file `ino`'s sealed bytes come from a remote source (held in the daemon's
+/// memory when fetched ahead).
+fn is_remote(view: &View, ino: Ino) -> bool {
+    matches!(view.sealed_object(ino), Ok(Some(o)) if o.holds_fetched_ahead())
 }
 
 /// Whether anything in the view awaits its verdict (a manifest lists it, unchecked yet).
@@ -558,9 +634,8 @@ impl ShardWalk<Storing> {
     /// thread, which unlocks it in place and stores it in the kernel's page cache. Hashed,
     /// then fetched ahead, the shard was downloaded twice. The pages stored before the
     /// verdict are read by no one: every open of the file waits for the verdict, and a
-    /// failed one refuses them all; they are dropped then. While an open waits, the hash
-    /// never waits for a buffer: a step without one is hashed only, and read by the reads.
-    /// Whether the shard was checked here (false: not a remote shard awaiting its verdict,
+    /// failed one refuses them all; they are dropped then. While an open waits, the store
+    /// thread runs urged too (`Handoff::take_buffer`). Whether the shard was checked here (false: not a remote shard awaiting its verdict,
     /// no store thread, or an open hashes it).
     fn check_and_store(&mut self, view: &View, check: &CheckAhead, ino: Ino) -> bool {
         let (Some(handoff), Some(cache)) = (self.steps.handoff.clone(), self.steps.cache.clone())
@@ -580,6 +655,11 @@ impl ShardWalk<Storing> {
             check.done();
             return false;
         };
+        // An open waiting for this shard now waits for the digest fed here.
+        check.taken(ino);
+        handoff
+            .urged
+            .store(false, std::sync::atomic::Ordering::Relaxed);
         log::debug!(
             "check ahead: {} hashed and stored in one read",
             view.path_of(ino)
@@ -617,12 +697,16 @@ impl ShardWalk<Storing> {
                     off,
                     len: n,
                     buf: b,
+                    urged: check.urged(),
                 });
             }
             off += n as u64;
         }
         // Whole, the digest is in; else the verdict hashes the file itself.
         drop(feeder);
+        handoff
+            .urged
+            .store(false, std::sync::atomic::Ordering::Relaxed);
         if view.verify(ino).is_err() {
             handoff.drain();
             if let Err(e) = cache.invalidate(ino) {
@@ -682,6 +766,7 @@ impl Storing {
                         went_on
                     }
                     Work::Hashed(mut hashed) => {
+                        hashed.urged |= h.urged.load(std::sync::atomic::Ordering::Relaxed);
                         let went_on = store.unlock_and_store(&mut hashed);
                         h.give_back(hashed.buf);
                         went_on
@@ -745,6 +830,8 @@ impl Drop for EndOnDrop {
 struct Handoff {
     state: Mutex<Handed>,
     changed: parking_lot::Condvar,
+    /// An open waits for the verdict of the shard check ahead hands over now.
+    urged: std::sync::atomic::AtomicBool,
 }
 
 #[derive(Default)]
@@ -770,6 +857,9 @@ struct Hashed {
     off: u64,
     len: usize,
     buf: crate::secmem::SecureBuf,
+    /// An open waits for the file's verdict: unlocked and stored at the normal policy, so
+    /// the reads that follow find the pages (in the background they would mostly not).
+    urged: bool,
 }
 
 /// What the store thread takes next.
@@ -819,11 +909,15 @@ impl Handoff {
         }
     }
 
-    /// A buffer for check ahead to read a step into, once one is free, unless `urged()`
-    /// says an open waits (then at once or none), or the store thread is gone.
+    /// A buffer for check ahead to read a step into, once one is free (none once the store
+    /// thread is gone). While `urged()` says an open waits for the verdict, the store thread
+    /// runs urged too: the hash waits for it, and the reads that follow find the pages.
     fn take_buffer(&self, urged: impl Fn() -> bool) -> Option<crate::secmem::SecureBuf> {
         let mut s = self.state.lock();
         loop {
+            if urged() {
+                self.urged.store(true, std::sync::atomic::Ordering::Relaxed);
+            }
             if s.ended {
                 return None;
             }
@@ -844,9 +938,6 @@ impl Handoff {
                     }
                 }
                 continue;
-            }
-            if urged() {
-                return None;
             }
             self.changed.wait_for(&mut s, BUFFER_POLL);
         }
@@ -921,6 +1012,8 @@ struct StoreAhead<'a> {
     failed: Option<Ino>,
     /// The decoded bytes, in locked memory like every other decoded byte of the daemon's.
     buf: crate::secmem::SecureBuf,
+    /// Whether this thread runs at the normal policy now (for an open that waits).
+    urged: bool,
 }
 
 impl<'a> StoreAhead<'a> {
@@ -932,6 +1025,7 @@ impl<'a> StoreAhead<'a> {
                 known: None,
                 failed: None,
                 buf,
+                urged: false,
             }),
             Err(e) => {
                 log::warn!("fetch ahead decodes nothing ahead (no memory: {e})");
@@ -944,6 +1038,12 @@ impl<'a> StoreAhead<'a> {
     /// opened; whether to go on (false once the kernel failed, logged). A file that fails
     /// to decode (a bad value, a failed check) is skipped.
     fn decode_and_store(&mut self, ino: Ino, off: u64, len: u64, ahead: &FetchAhead) -> bool {
+        if self.urged {
+            // Fetched ahead, nobody waits for it.
+            self.urged = false;
+            // SAFETY: gettid has no preconditions.
+            run_in_background(unsafe { libc::gettid() }, true);
+        }
         let path = || self.view.path_of(ino);
         if self.failed == Some(ino) {
             return true;
@@ -1007,9 +1107,14 @@ impl<'a> StoreAhead<'a> {
         if !self.know(ino) {
             return false;
         }
+        if hashed.urged != self.urged {
+            self.urged = hashed.urged;
+            // SAFETY: gettid has no preconditions.
+            run_in_background(unsafe { libc::gettid() }, !self.urged);
+        }
         let bytes = &mut hashed.buf[..len];
         let mut unlock = || self.view.unlock_in_place(ino, off, bytes);
-        let unlocked = match crate::fill::ahead_pool() {
+        let unlocked = match crate::fill::ahead_pool().filter(|_| !hashed.urged) {
             Some(pool) => pool.install(unlock),
             None => unlock(),
         };
@@ -1062,6 +1167,42 @@ mod tests {
             "the next file starts in the background"
         );
         assert!(!c.before_verdict(4), "a file done: its verdict is in");
+    }
+
+    /// An open of a remote shard check ahead has not begun, while it hashes no other shard,
+    /// waits for check ahead to take that shard next (its hash urged) rather than hash it
+    /// itself; while another shard is in hand, or once check ahead has ended, it does not
+    /// wait.
+    #[test]
+    fn an_open_of_a_coming_shard_waits_for_check_ahead_to_take_it_next() {
+        let pause = || std::thread::sleep(Duration::from_millis(100));
+        let c = Arc::new(CheckAhead::new());
+        c.state.lock().coming = [5, 6, 7].into_iter().collect();
+        assert!(c.claim(1), "a small file in hand");
+        let c2 = c.clone();
+        let open = std::thread::spawn(move || c2.before_verdict(7));
+        pause();
+        assert!(!open.is_finished(), "the open waits for check ahead");
+        c.done();
+        let mut todo: std::collections::VecDeque<Ino> = [5, 6, 7].into();
+        assert_eq!(c.next_shard(&mut todo), Some(7), "the wanted shard first");
+        assert!(c.claim(7));
+        assert!(c.urged(), "its hash urged");
+        c.taken(7);
+        assert!(open.join().unwrap());
+        c.done();
+        c.shard_done();
+        assert_eq!(c.next_shard(&mut todo), Some(5));
+        assert!(
+            !c.before_verdict(6),
+            "another shard in hand: the open hashes it"
+        );
+        assert!(!c.claim(6), "and check ahead leaves it");
+        c.taken(5);
+        c.shard_done();
+        c.state.lock().coming.insert(9);
+        drop(CheckEnded(c.clone()));
+        assert!(!c.before_verdict(9), "check ahead ended: no wait");
     }
 
     /// An object that takes on what it is asked for while its budget lasts, noting each ask;
@@ -1258,29 +1399,32 @@ mod tests {
     }
 
     /// Check ahead reads a checked shard into at most two buffers: a third waits for one
-    /// to come back from the store thread, unless an open waits for the verdict (then the
-    /// step goes without); hashed bytes go to the store thread before steps fetched ahead,
-    /// a drain waits for them, and once the store thread is gone nothing is taken or kept.
+    /// to come back from the store thread (urged, if an open waits for the verdict);
+    /// hashed bytes go to the store thread before steps fetched ahead, a drain waits for
+    /// them, and once the store thread is gone nothing is taken or kept.
     #[test]
-    fn check_ahead_hands_hashed_bytes_in_two_buffers_and_never_waits_when_urged() {
+    fn check_ahead_hands_hashed_bytes_in_two_buffers() {
+        use std::sync::atomic::Ordering::Relaxed;
         let pause = || std::thread::sleep(Duration::from_millis(100));
         let h = Arc::new(Handoff::default());
         let one = h.take_buffer(|| false).expect("a first buffer");
         let two = h.take_buffer(|| false).expect("a second buffer");
-        assert!(
-            h.take_buffer(|| true).is_none(),
-            "urged: no third, and no wait"
-        );
+        assert!(!h.urged.load(Relaxed));
         let h2 = h.clone();
-        let waiter = std::thread::spawn(move || h2.take_buffer(|| false).is_some());
+        let waiter = std::thread::spawn(move || h2.take_buffer(|| true).is_some());
         pause();
-        assert!(!waiter.is_finished(), "not urged: waits for a buffer");
+        assert!(!waiter.is_finished(), "waits for a buffer");
+        assert!(
+            h.urged.load(Relaxed),
+            "an open waits: the store thread is urged"
+        );
         h.hand(7, 0, 8, false);
         h.hand_hashed(Hashed {
             ino: 3,
             off: 0,
             len: 5,
             buf: one,
+            urged: false,
         });
         let Some(Work::Hashed(first)) = h.next() else {
             panic!("hashed bytes first");

@@ -285,6 +285,28 @@ fn a_fuse_mount_under_a_manifest_downloads_a_shard_checked_ahead_once() {
     assert_view(&case, &m, "http fuse, checked ahead", 41);
     drop(m);
 
+    // A shard opened the moment the mount is up is taken by check ahead next, hashed and
+    // stored from one download, instead of hashed by the open and downloaded again.
+    let m = Mnt::new();
+    mount_remote(&m, &url, &case, &["--mode", "fuse"]);
+    let first = "model-00001-of-00005.safetensors";
+    let want = fs::read(case.view().join(first)).unwrap();
+    assert!(
+        fs::read(m.path(first)).unwrap() == want,
+        "{first}: not byte-exact"
+    );
+    wait_for(30, "every shard, the first one too, stored ahead", || {
+        counter(&m, "bytes_stored_ahead") >= shards
+    });
+    let st = status(&m);
+    let n = |k: &str| st[k].as_u64().unwrap_or_else(|| panic!("no {k} in {st}"));
+    assert!(
+        n("remote_bytes_fetched") < n("verified_bytes") + shards / 2,
+        "{} bytes fetched for {shards} bytes of shards: {st}",
+        n("remote_bytes_fetched")
+    );
+    drop(m);
+
     // A shard that does not match its manifest digest is refused, whatever was decoded of
     // it ahead; its neighbours read.
     let keep = tempfile::tempdir().unwrap();
