@@ -214,8 +214,9 @@ pub struct CheckAhead {
 
 #[derive(Default)]
 struct Checking {
-    /// The file being hashed ahead, and whether an open urged its hash.
+    /// The file being hashed ahead, its length, and whether an open urged its hash.
     current: Option<Ino>,
+    current_len: u64,
     urged: bool,
     /// The check-ahead thread.
     tid: Option<libc::pid_t>,
@@ -282,7 +283,8 @@ impl CheckAhead {
                 shards.len()
             );
             let check = |ino: Ino| {
-                if view.awaits_verdict(ino) && c.claim(ino) {
+                let len = view.node(ino).map_or(0, |n| n.attr.size);
+                if view.awaits_verdict(ino) && c.claim(ino, len) {
                     // A mismatch is logged by the verdict itself; its opens fail.
                     let _ = view.verify(ino);
                     c.done();
@@ -315,7 +317,7 @@ impl CheckAhead {
 
     /// Whether the check-ahead thread hashes file `ino` now (in the background, or urged
     /// if an open waits for it), or leaves it to the open that asked for it first.
-    fn claim(&self, ino: Ino) -> bool {
+    fn claim(&self, ino: Ino, len: u64) -> bool {
         let mut s = self.state.lock();
         if s.opened.contains(&ino) {
             return false;
@@ -325,6 +327,7 @@ impl CheckAhead {
             run_in_background(tid, !urged);
         }
         s.current = Some(ino);
+        s.current_len = len;
         s.urged = urged;
         true
     }
@@ -376,7 +379,8 @@ impl CheckAhead {
     /// urged to the normal policy, and one not begun is left to the open. Whether it urged.
     pub fn before_verdict(&self, ino: Ino) -> bool {
         let mut s = self.state.lock();
-        if s.coming.contains(&ino) && !s.on_shard && !s.ended && s.wanted.is_none() {
+        let busy = s.on_shard || (s.current.is_some() && s.current_len > WAIT_BEHIND_MAX);
+        if s.coming.contains(&ino) && !busy && !s.ended && s.wanted.is_none() {
             // A remote shard check ahead has not begun while it hashes no other shard:
             // taken next, from one download that also stores it, rather than hashed here
             // and downloaded again by the reads.
@@ -483,6 +487,12 @@ const HASH_STEP: usize = 8 << 20;
 const HASH_BUFFERS: usize = 2;
 /// How often a check that waits for a free buffer looks whether an open now waits for it.
 const BUFFER_POLL: Duration = Duration::from_millis(20);
+/// The longest a hash an open waits for waits for a free buffer; then the step is hashed
+/// only (a store thread that cannot go on must not hold a verdict back).
+const URGED_BUFFER_WAIT: Duration = Duration::from_millis(250);
+/// The largest file check ahead may be hashing for an open of a shard to wait for it to
+/// end, rather than hash that shard itself.
+const WAIT_BEHIND_MAX: u64 = 64 << 20;
 
 impl FetchAhead {
     pub fn new() -> Arc<FetchAhead> {
@@ -648,7 +658,7 @@ impl ShardWalk<Storing> {
         if handoff.ended() || !object.holds_fetched_ahead() || !view.awaits_verdict(ino) {
             return false;
         }
-        if !check.claim(ino) {
+        if !check.claim(ino, object.len()) {
             return false;
         }
         let Some(mut feeder) = view.digest_feeder(ino) else {
@@ -914,9 +924,13 @@ impl Handoff {
     /// runs urged too: the hash waits for it, and the reads that follow find the pages.
     fn take_buffer(&self, urged: impl Fn() -> bool) -> Option<crate::secmem::SecureBuf> {
         let mut s = self.state.lock();
+        let mut waited_urged = Duration::ZERO;
         loop {
             if urged() {
                 self.urged.store(true, std::sync::atomic::Ordering::Relaxed);
+                if waited_urged >= URGED_BUFFER_WAIT {
+                    return None;
+                }
             }
             if s.ended {
                 return None;
@@ -939,7 +953,11 @@ impl Handoff {
                 }
                 continue;
             }
+            let since = std::time::Instant::now();
             self.changed.wait_for(&mut s, BUFFER_POLL);
+            if urged() {
+                waited_urged += since.elapsed();
+            }
         }
     }
 
@@ -1152,8 +1170,11 @@ mod tests {
     fn check_ahead_leaves_a_file_opened_first_and_urges_one_under_way() {
         let c = CheckAhead::new();
         assert!(!c.before_verdict(3), "nothing under way: the open hashes");
-        assert!(!c.claim(3), "a file an open asked for first is left to it");
-        assert!(c.claim(4));
+        assert!(
+            !c.claim(3, 0),
+            "a file an open asked for first is left to it"
+        );
+        assert!(c.claim(4, 0));
         assert!(
             c.before_verdict(4),
             "an open of the file under way urges it"
@@ -1161,7 +1182,7 @@ mod tests {
         assert!(c.state.lock().urged);
         assert!(c.before_verdict(4), "a second open finds it urged");
         c.done();
-        assert!(c.claim(5));
+        assert!(c.claim(5, 0));
         assert!(
             !c.state.lock().urged,
             "the next file starts in the background"
@@ -1178,7 +1199,7 @@ mod tests {
         let pause = || std::thread::sleep(Duration::from_millis(100));
         let c = Arc::new(CheckAhead::new());
         c.state.lock().coming = [5, 6, 7].into_iter().collect();
-        assert!(c.claim(1), "a small file in hand");
+        assert!(c.claim(1, 0), "a small file in hand");
         let c2 = c.clone();
         let open = std::thread::spawn(move || c2.before_verdict(7));
         pause();
@@ -1186,7 +1207,7 @@ mod tests {
         c.done();
         let mut todo: std::collections::VecDeque<Ino> = [5, 6, 7].into();
         assert_eq!(c.next_shard(&mut todo), Some(7), "the wanted shard first");
-        assert!(c.claim(7));
+        assert!(c.claim(7, 0));
         assert!(c.urged(), "its hash urged");
         c.taken(7);
         assert!(open.join().unwrap());
@@ -1197,9 +1218,16 @@ mod tests {
             !c.before_verdict(6),
             "another shard in hand: the open hashes it"
         );
-        assert!(!c.claim(6), "and check ahead leaves it");
+        assert!(!c.claim(6, 0), "and check ahead leaves it");
         c.taken(5);
         c.shard_done();
+        c.state.lock().coming.insert(8);
+        assert!(c.claim(2, WAIT_BEHIND_MAX + 1));
+        assert!(
+            !c.before_verdict(8),
+            "a large file in hand: the open hashes it"
+        );
+        c.done();
         c.state.lock().coming.insert(9);
         drop(CheckEnded(c.clone()));
         assert!(!c.before_verdict(9), "check ahead ended: no wait");
@@ -1410,14 +1438,18 @@ mod tests {
         let one = h.take_buffer(|| false).expect("a first buffer");
         let two = h.take_buffer(|| false).expect("a second buffer");
         assert!(!h.urged.load(Relaxed));
-        let h2 = h.clone();
-        let waiter = std::thread::spawn(move || h2.take_buffer(|| true).is_some());
-        pause();
-        assert!(!waiter.is_finished(), "waits for a buffer");
+        assert!(
+            h.take_buffer(|| true).is_none(),
+            "an open waits: none comes back in time, the step goes without"
+        );
         assert!(
             h.urged.load(Relaxed),
             "an open waits: the store thread is urged"
         );
+        let h2 = h.clone();
+        let waiter = std::thread::spawn(move || h2.take_buffer(|| false).is_some());
+        pause();
+        assert!(!waiter.is_finished(), "waits for a buffer");
         h.hand(7, 0, 8, false);
         h.hand_hashed(Hashed {
             ino: 3,
