@@ -380,7 +380,8 @@ impl CheckAhead {
     pub fn before_verdict(&self, ino: Ino) -> bool {
         let mut s = self.state.lock();
         let busy = s.on_shard || (s.current.is_some() && s.current_len > WAIT_BEHIND_MAX);
-        if s.coming.contains(&ino) && !busy && !s.ended && s.wanted.is_none() {
+        let free = s.wanted.is_none() || s.wanted == Some(ino);
+        if s.coming.contains(&ino) && !busy && !s.ended && free {
             // A remote shard check ahead has not begun while it hashes no other shard:
             // taken next, from one download that also stores it, rather than hashed here
             // and downloaded again by the reads.
@@ -1202,8 +1203,14 @@ mod tests {
         assert!(c.claim(1, 0), "a small file in hand");
         let c2 = c.clone();
         let open = std::thread::spawn(move || c2.before_verdict(7));
+        let c3 = c.clone();
+        let rank = std::thread::spawn(move || c3.before_verdict(7));
         pause();
         assert!(!open.is_finished(), "the open waits for check ahead");
+        assert!(
+            !rank.is_finished(),
+            "so does a second open of the same shard"
+        );
         c.done();
         let mut todo: std::collections::VecDeque<Ino> = [5, 6, 7].into();
         assert_eq!(c.next_shard(&mut todo), Some(7), "the wanted shard first");
@@ -1211,6 +1218,11 @@ mod tests {
         assert!(c.urged(), "its hash urged");
         c.taken(7);
         assert!(open.join().unwrap());
+        assert!(rank.join().unwrap());
+        assert!(
+            !c.state.lock().opened.contains(&7),
+            "neither hashes it itself"
+        );
         c.done();
         c.shard_done();
         assert_eq!(c.next_shard(&mut todo), Some(5));
