@@ -668,9 +668,6 @@ impl ShardWalk<Storing> {
         };
         // An open waiting for this shard now waits for the digest fed here.
         check.taken(ino);
-        handoff
-            .urged
-            .store(false, std::sync::atomic::Ordering::Relaxed);
         log::debug!(
             "check ahead: {} hashed and stored in one read",
             view.path_of(ino)
@@ -713,7 +710,8 @@ impl ShardWalk<Storing> {
             }
             off += n as u64;
         }
-        // Whole, the digest is in; else the verdict hashes the file itself.
+        // Whole, the digest is in; else the verdict hashes the file itself. The urge (set
+        // only by this loop's takes) ends with the shard; its pieces still queued keep theirs.
         drop(feeder);
         handoff
             .urged
@@ -1085,11 +1083,9 @@ impl<'a> StoreAhead<'a> {
                     return true;
                 }
             }
-            if let Err(e) = self.cache.store(ino, at, piece) {
-                log::debug!("fetch ahead: {} not stored at {at}: {e}", path());
+            if !store_piece(&*self.cache, self.view, ino, at, piece) {
                 return false;
             }
-            crate::metrics::Stats::add(&self.view.stats().bytes_stored_ahead, n as u64);
             at += n as u64;
         }
         if at >= end {
@@ -1146,18 +1142,29 @@ impl<'a> StoreAhead<'a> {
             return true;
         }
         for (i, piece) in hashed.buf[..len].chunks(STORE_PIECE).enumerate() {
-            let at = off + (i * STORE_PIECE) as u64;
-            if let Err(e) = self.cache.store(ino, at, piece) {
-                log::debug!(
-                    "check ahead: {} not stored at {at}: {e}",
-                    self.view.path_of(ino)
-                );
+            if !store_piece(
+                &*self.cache,
+                self.view,
+                ino,
+                off + (i * STORE_PIECE) as u64,
+                piece,
+            ) {
                 return false;
             }
-            crate::metrics::Stats::add(&self.view.stats().bytes_stored_ahead, piece.len() as u64);
         }
         true
     }
+}
+
+/// Store `piece`, the view's bytes of file `ino` at `at`, in the kernel's page cache and
+/// count it; false (logged) if the kernel refused it.
+fn store_piece(cache: &dyn PageCache, view: &View, ino: Ino, at: u64, piece: &[u8]) -> bool {
+    if let Err(e) = cache.store(ino, at, piece) {
+        log::debug!("store ahead: {} not stored at {at}: {e}", view.path_of(ino));
+        return false;
+    }
+    crate::metrics::Stats::add(&view.stats().bytes_stored_ahead, piece.len() as u64);
+    true
 }
 
 #[cfg(test)]

@@ -64,6 +64,55 @@ fn manifest_with_wrong_digest(case: &Case, wrong: &str, dir: &Path) -> std::path
     path
 }
 
+/// Each of `case`'s sealed files served (its key left out), with its length.
+fn served_files(case: &Case) -> Vec<(String, u64)> {
+    fs::read_dir(case.sealed())
+        .unwrap()
+        .map(|e| e.unwrap())
+        .filter(|e| e.file_name() != "kllm.key")
+        .map(|e| {
+            let name = e.file_name().to_string_lossy().into_owned();
+            (name, e.metadata().unwrap().len())
+        })
+        .collect()
+}
+
+/// Mounted in `mode` under a manifest in which shard 2 has another digest: that shard
+/// fails with EIO (twice, once its verdict is in when `after_check_ahead`), and its
+/// neighbour reads byte-exact.
+fn a_wrong_digest_refuses_its_shard_alone(
+    case: &Case,
+    url: &str,
+    mode: &str,
+    after_check_ahead: bool,
+) {
+    let keep = tempfile::tempdir().unwrap();
+    let bad = manifest_with_wrong_digest(case, "model-00002-of-00005.safetensors", keep.path());
+    let m = Mnt::new();
+    mount_remote(
+        &m,
+        url,
+        case,
+        &["--manifest", bad.to_str().unwrap(), "--mode", mode],
+    );
+    if after_check_ahead {
+        wait_for(30, "the bad shard's verdict", || {
+            counter(&m, "failed_files") == 1
+        });
+    }
+    for _ in 0..2 {
+        assert_eq!(
+            errno_of(
+                fs::read(m.path("model-00002-of-00005.safetensors")),
+                "a shard not matching the manifest"
+            ),
+            EIO
+        );
+    }
+    let want = fs::read(case.view().join("model-00003-of-00005.safetensors")).unwrap();
+    assert!(fs::read(m.path("model-00003-of-00005.safetensors")).unwrap() == want);
+}
+
 /// `kllm-mount URL MP` with the test credentials and no other AWS setting from outside.
 fn remote_cmd(m: &Mnt, url: &str) -> Command {
     let mut c = m.cmd(Path::new(url));
@@ -192,12 +241,7 @@ fn a_verified_passthrough_load_downloads_each_file_once() {
     assert_view(&case, &m, "http passthrough, checked", 30);
     let st = status(&m);
     let n = |k: &str| st[k].as_u64().unwrap_or_else(|| panic!("no {k} in {st}"));
-    let served: u64 = fs::read_dir(case.sealed())
-        .unwrap()
-        .map(|e| e.unwrap())
-        .filter(|e| e.file_name() != "kllm.key")
-        .map(|e| e.metadata().unwrap().len())
-        .sum();
+    let served: u64 = served_files(&case).iter().map(|(_, len)| len).sum();
     assert!(n("verified_files") >= 5, "the shards were checked: {st}");
     assert_eq!(n("failed_files"), 0, "{st}");
     assert!(
@@ -209,24 +253,7 @@ fn a_verified_passthrough_load_downloads_each_file_once() {
 
     // The digest fed by the fill is judged as any other: a shard that does not match its
     // manifest digest fails with EIO, and its neighbours still read.
-    let keep = tempfile::tempdir().unwrap();
-    let bad = manifest_with_wrong_digest(&case, "model-00002-of-00005.safetensors", keep.path());
-    let m = Mnt::new();
-    mount_remote(
-        &m,
-        &url,
-        &case,
-        &["--manifest", bad.to_str().unwrap(), "--mode", "passthrough"],
-    );
-    assert_eq!(
-        errno_of(
-            fs::read(m.path("model-00002-of-00005.safetensors")),
-            "a shard not matching the manifest"
-        ),
-        EIO
-    );
-    let want = fs::read(case.view().join("model-00003-of-00005.safetensors")).unwrap();
-    assert!(fs::read(m.path("model-00003-of-00005.safetensors")).unwrap() == want);
+    a_wrong_digest_refuses_its_shard_alone(&case, &url, "passthrough", false);
 }
 
 #[test]
@@ -238,15 +265,7 @@ fn a_fuse_mount_under_a_manifest_downloads_a_shard_checked_ahead_once() {
     };
     let case = case("llm_v2");
     let url = server.object_url(BUCKET, &format!("http/{}", case.name));
-    let sizes: Vec<(String, u64)> = fs::read_dir(case.sealed())
-        .unwrap()
-        .map(|e| e.unwrap())
-        .filter(|e| e.file_name() != "kllm.key")
-        .map(|e| {
-            let name = e.file_name().to_string_lossy().into_owned();
-            (name, e.metadata().unwrap().len())
-        })
-        .collect();
+    let sizes = served_files(&case);
     let shards: u64 = sizes
         .iter()
         .filter(|(n, _)| n.ends_with(".safetensors"))
@@ -309,29 +328,7 @@ fn a_fuse_mount_under_a_manifest_downloads_a_shard_checked_ahead_once() {
 
     // A shard that does not match its manifest digest is refused, whatever was decoded of
     // it ahead; its neighbours read.
-    let keep = tempfile::tempdir().unwrap();
-    let bad = manifest_with_wrong_digest(&case, "model-00002-of-00005.safetensors", keep.path());
-    let m = Mnt::new();
-    mount_remote(
-        &m,
-        &url,
-        &case,
-        &["--manifest", bad.to_str().unwrap(), "--mode", "fuse"],
-    );
-    wait_for(30, "the bad shard's verdict", || {
-        counter(&m, "failed_files") == 1
-    });
-    for _ in 0..2 {
-        assert_eq!(
-            errno_of(
-                fs::read(m.path("model-00002-of-00005.safetensors")),
-                "a shard not matching the manifest"
-            ),
-            EIO
-        );
-    }
-    let want = fs::read(case.view().join("model-00003-of-00005.safetensors")).unwrap();
-    assert!(fs::read(m.path("model-00003-of-00005.safetensors")).unwrap() == want);
+    a_wrong_digest_refuses_its_shard_alone(&case, &url, "fuse", true);
 }
 
 #[test]
