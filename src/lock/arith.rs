@@ -37,7 +37,81 @@ pub(super) trait Lane:
     fn offset(word: &[u8], span: Self::Span, small_span: bool) -> Self;
 
     fn overflowing_sub(self, rhs: Self) -> (Self, bool);
+    fn overflowing_add(self, rhs: Self) -> (Self, bool);
     fn wrapping_add(self, rhs: Self) -> Self;
+    fn wrapping_sub(self, rhs: Self) -> Self;
+}
+
+/// 16-bit lanes for codes and spans below 2^16 (BF16, F16, 8-bit and 4-bit codes, I16
+/// tables): twice the codes per vector of 32-bit lanes. The stream word is still 32 bits,
+/// taken as two halves.
+impl Lane for u16 {
+    const WORD_BYTES: usize = 4;
+    type Span = u16;
+    const ONE: u16 = 1;
+
+    #[inline(always)]
+    fn from_u64(x: u64) -> u16 {
+        x as u16
+    }
+
+    #[inline(always)]
+    fn from_bool(b: bool) -> u16 {
+        b as u16
+    }
+
+    #[inline(always)]
+    fn load(bytes: &[u8], width: usize) -> u16 {
+        match width {
+            1 => bytes[0] as u16,
+            _ => u16::from_le_bytes(bytes[..2].try_into().expect("2 bytes")),
+        }
+    }
+
+    #[inline(always)]
+    fn store(self, bytes: &mut [u8], width: usize) {
+        match width {
+            1 => bytes[0] = self as u8,
+            2 => bytes[..2].copy_from_slice(&self.to_le_bytes()),
+            _ => {
+                bytes[..2].copy_from_slice(&self.to_le_bytes());
+                bytes[2..width].fill(0);
+            }
+        }
+    }
+
+    #[inline(always)]
+    fn span(span: u64) -> u16 {
+        debug_assert!(span < 1 << 16);
+        span as u16
+    }
+
+    #[inline(always)]
+    fn offset(word: &[u8], span: u16, _small_span: bool) -> u16 {
+        let low = u16::from_le_bytes(word[..2].try_into().expect("2 bytes"));
+        let high = u16::from_le_bytes(word[2..4].try_into().expect("2 bytes"));
+        half_word_offset(low, high, span)
+    }
+
+    #[inline(always)]
+    fn overflowing_sub(self, rhs: u16) -> (u16, bool) {
+        u16::overflowing_sub(self, rhs)
+    }
+
+    #[inline(always)]
+    fn overflowing_add(self, rhs: u16) -> (u16, bool) {
+        u16::overflowing_add(self, rhs)
+    }
+
+    #[inline(always)]
+    fn wrapping_add(self, rhs: u16) -> u16 {
+        u16::wrapping_add(self, rhs)
+    }
+
+    #[inline(always)]
+    fn wrapping_sub(self, rhs: u16) -> u16 {
+        u16::wrapping_sub(self, rhs)
+    }
 }
 
 impl Lane for u32 {
@@ -96,8 +170,18 @@ impl Lane for u32 {
     }
 
     #[inline(always)]
+    fn overflowing_add(self, rhs: u32) -> (u32, bool) {
+        u32::overflowing_add(self, rhs)
+    }
+
+    #[inline(always)]
     fn wrapping_add(self, rhs: u32) -> u32 {
         u32::wrapping_add(self, rhs)
+    }
+
+    #[inline(always)]
+    fn wrapping_sub(self, rhs: u32) -> u32 {
+        u32::wrapping_sub(self, rhs)
     }
 }
 
@@ -144,8 +228,18 @@ impl Lane for u64 {
     }
 
     #[inline(always)]
+    fn overflowing_add(self, rhs: u64) -> (u64, bool) {
+        u64::overflowing_add(self, rhs)
+    }
+
+    #[inline(always)]
     fn wrapping_add(self, rhs: u64) -> u64 {
         u64::wrapping_add(self, rhs)
+    }
+
+    #[inline(always)]
+    fn wrapping_sub(self, rhs: u64) -> u64 {
+        u64::wrapping_sub(self, rhs)
     }
 }
 
@@ -187,15 +281,31 @@ pub(super) fn split_mul_high(word: u32, span: u32) -> u32 {
     ((word >> 16) * span + (((word & 0xFFFF) * span) >> 16)) >> 16
 }
 
+/// [`split_mul_high`] in 16-bit halves, for 16-bit lanes: `(word * span) >> 32` with `word =
+/// high << 16 | low` and `span < 2^16`. Each step is a 16x16 multiply (low or high half of
+/// the product), which is one 32-lane vector op.
+#[inline(always)]
+pub(super) fn half_word_offset(low: u16, high: u16, span: u16) -> u16 {
+    let mul_high = |a: u16, b: u16| ((a as u32 * b as u32) >> 16) as u16;
+    // high * span + ((low * span) >> 16), then >> 16: the sum's top half is the high half of
+    // `high * span` plus the carry out of its low half.
+    let top = mul_high(high, span);
+    let bottom = high.wrapping_mul(span);
+    let sum = bottom.wrapping_add(mul_high(low, span));
+    top + (sum < bottom) as u16
+}
+
 /// `(idx ± off) mod span` for `idx, off < span`, written with selects rather than branches so
-/// the lane loops vectorize. The sum cannot overflow: narrow spans are at most 2^31, wide ones
-/// come from values of at most 63 magnitude bits.
+/// the lane loops vectorize. In 32- and 64-bit lanes the sum cannot overflow (narrow spans are
+/// at most 2^31, wide ones come from values of at most 63 magnitude bits); in 16-bit lanes it
+/// can, and its carry means it passed the span.
 #[inline(always)]
 pub(super) fn shift_mod<L: Lane, const LOCK: bool>(idx: L, off: L, span: L) -> L {
     if LOCK {
-        let t = idx + off;
-        if t >= span {
-            t - span
+        // The sum carries out only in 16-bit lanes (spans up to 2^16 - 1).
+        let (t, carry) = idx.overflowing_add(off);
+        if carry || t >= span {
+            t.wrapping_sub(span)
         } else {
             t
         }
@@ -231,6 +341,10 @@ mod tests {
             for &span in &spans {
                 let exact = ((word as u64 * span as u64) >> 32) as u32;
                 assert_eq!(split_mul_high(word, span), exact, "{word:#x} * {span:#x}");
+                if span < 1 << 16 {
+                    let halves = half_word_offset(word as u16, (word >> 16) as u16, span as u16);
+                    assert_eq!(halves as u32, exact, "{word:#x} * {span:#x} in halves");
+                }
             }
         }
     }
@@ -265,6 +379,7 @@ mod tests {
         let word = [0xEF, 0xBE, 0xAD, 0xDE, 0x78, 0x56, 0x34, 0x92];
         assert_eq!(u32::offset(&word, 1 << 16, false), 0xDEAD);
         assert_eq!(u32::offset(&word, 1 << 16, true), 0xDEAD);
+        assert_eq!(u16::offset(&word, 0xFFFF, true), 0xDEAC);
         assert_eq!(
             u64::offset(&word, WideSpan::new(1 << 32), false),
             0x1234_5678_DEAD_BEEF & 0xFFFF_FFFF
@@ -280,6 +395,14 @@ mod tests {
         let top = 1u32 << 31;
         assert_eq!(shift_mod::<u32, true>(top - 1, top - 1, top), top - 2);
         assert_eq!(shift_mod::<u32, false>(0, top - 1, top), 1);
+        // 16-bit lanes: the sum of two codes below the widest span carries out of the lane.
+        let widest = 0xFF00u16;
+        assert_eq!(
+            shift_mod::<u16, true>(widest - 1, widest - 1, widest),
+            widest - 2
+        );
+        assert_eq!(shift_mod::<u16, true>(widest - 1, 1, widest), 0);
+        assert_eq!(shift_mod::<u16, false>(0, widest - 1, widest), 1);
         let big = 1u64 << 62;
         assert_eq!(shift_mod::<u64, true>(big - 1, big - 2, big), big - 3);
         assert_eq!(shift_mod::<u64, false>(0, 1, big), big - 1);
@@ -295,6 +418,9 @@ mod tests {
                         shift_mod::<u64, false>(locked as u64, off as u64, span as u64),
                         idx as u64
                     );
+                    let (i16, o16, s16) = (idx as u16, off as u16, span as u16);
+                    assert_eq!(shift_mod::<u16, true>(i16, o16, s16), locked as u16);
+                    assert_eq!(shift_mod::<u16, false>(locked as u16, o16, s16), i16);
                 }
             }
         }

@@ -279,27 +279,54 @@ impl Isa {
         }
     }
 
-    /// The kernel for a codec: `wide` streams give 8 bytes a code and need 64-bit lanes.
-    pub(super) fn select<const LOCK: bool>(self, codec: Codec, wide: bool) -> BatchFn {
+    /// The kernel for a codec: `wide` streams give 8 bytes a code and need 64-bit lanes;
+    /// narrow codes with a span below 2^16 take 16-bit lanes.
+    pub(super) fn select<const LOCK: bool>(self, codec: Codec, span: u64, wide: bool) -> BatchFn {
+        let lanes = Lanes::for_span(span, wide);
         match codec {
-            Codec::Float { bits: 8, .. } => self.by_stream::<SignMagnitude<1>, LOCK>(wide),
-            Codec::Float { bits: 16, .. } => self.by_stream::<SignMagnitude<2>, LOCK>(wide),
-            Codec::Float { .. } => self.by_stream::<SignMagnitude<4>, LOCK>(wide),
-            Codec::E8m0 => self.by_stream::<Unsigned<1>, LOCK>(wide),
-            Codec::Index { bytes: 2 } => self.by_stream::<Unsigned<2>, LOCK>(wide),
-            Codec::Index { bytes: 4 } => self.by_stream::<Unsigned<4>, LOCK>(wide),
+            Codec::Float { bits: 8, .. } => self.by_lanes::<SignMagnitude<1>, LOCK>(lanes),
+            Codec::Float { bits: 16, .. } => self.by_lanes::<SignMagnitude<2>, LOCK>(lanes),
+            Codec::Float { .. } => self.by_lanes::<SignMagnitude<4>, LOCK>(lanes),
+            Codec::E8m0 => self.by_lanes::<Unsigned<1>, LOCK>(lanes),
+            Codec::Index { bytes: 2 } => self.by_lanes::<Unsigned<2>, LOCK>(lanes),
+            Codec::Index { bytes: 4 } => self.by_lanes::<Unsigned<4>, LOCK>(lanes),
             // Checked codes are below 2^31, so 8-byte integers fit 32-bit lanes too.
-            Codec::Index { .. } => self.by_stream::<Unsigned<8>, LOCK>(wide),
+            Codec::Index { .. } => self.by_lanes::<Unsigned<8>, LOCK>(lanes),
             // FP4 spans are at most 16: never wide.
-            Codec::Fp4x2 => self.kernel::<Fp4Pair, u32, LOCK>(),
+            Codec::Fp4x2 => self.by_lanes::<Fp4Pair, LOCK>(lanes),
         }
     }
 
-    fn by_stream<K: Kind, const LOCK: bool>(self, wide: bool) -> BatchFn {
+    fn by_lanes<K: Kind, const LOCK: bool>(self, lanes: Lanes) -> BatchFn {
+        match lanes {
+            // Codes wider than 16 bits never have a span below 2^16 worth a narrow lane:
+            // their kinds are built for 32-bit lanes at least.
+            Lanes::Narrow if K::CODE_BITS <= 16 => self.kernel::<K, u16, LOCK>(),
+            Lanes::Narrow | Lanes::Normal => self.kernel::<K, u32, LOCK>(),
+            Lanes::Wide => self.kernel::<K, u64, LOCK>(),
+        }
+    }
+}
+
+/// The lane width a tensor's arithmetic needs.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(super) enum Lanes {
+    /// 16 bits: spans below 2^16 (stream words still 4 bytes).
+    Narrow,
+    /// 32 bits: 4-byte stream words, spans up to 2^31.
+    Normal,
+    /// 64 bits: 8-byte stream words.
+    Wide,
+}
+
+impl Lanes {
+    pub(super) fn for_span(span: u64, wide: bool) -> Lanes {
         if wide {
-            self.kernel::<K, u64, LOCK>()
+            Lanes::Wide
+        } else if span < 1 << 16 {
+            Lanes::Narrow
         } else {
-            self.kernel::<K, u32, LOCK>()
+            Lanes::Normal
         }
     }
 }
@@ -389,7 +416,8 @@ mod tests {
         let mut r = |n: u64| xorshift(seed) % n;
         match codec {
             Codec::Float { bits: 8, .. } => 1 + r(0x7F),
-            Codec::Float { bits: 16, .. } => 1 + r(0x7C00),
+            // Up to BF16's largest domain, 0x7F80 (span 0xFF00, the widest in 16-bit lanes).
+            Codec::Float { bits: 16, .. } => 1 + r(0x7F80),
             Codec::Float { .. } if wide => 1 + r(1 << 31),
             // Narrow F32 spans stay at most 2^31.
             Codec::Float { .. } => 1 + r(1 << 30),
@@ -452,9 +480,9 @@ mod tests {
                         scalar(codec, d, wide, lock, &mut want, &ks);
                         for &isa in &isas {
                             let kernel = if lock {
-                                isa.select::<true>(codec, wide)
+                                isa.select::<true>(codec, span, wide)
                             } else {
-                                isa.select::<false>(codec, wide)
+                                isa.select::<false>(codec, span, wide)
                             };
                             let mut got = plain.clone();
                             // SAFETY: `isa` is one this CPU runs.
@@ -494,7 +522,7 @@ mod tests {
                 let mut data = vec![0u8; 40 * unit];
                 data[29 * unit..30 * unit].copy_from_slice(&bad_unit[..unit]);
                 let before = data.clone();
-                let kernel = isa.select::<false>(codec, false);
+                let kernel = isa.select::<false>(codec, d.span, false);
                 // SAFETY: `isa` is one this CPU runs.
                 let bad = unsafe { kernel(d, &mut data, &ks) };
                 assert_eq!(bad, Some(29), "{codec:?} {isa:?} {bad_unit:?}");

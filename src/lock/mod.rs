@@ -116,9 +116,9 @@ impl TensorLock {
             span,
             wide,
             stream_key,
-            decode_kernel: isa.select::<false>(codec, wide),
+            decode_kernel: isa.select::<false>(codec, span, wide),
             #[cfg(feature = "seal")]
-            encode_kernel: isa.select::<true>(codec, wide),
+            encode_kernel: isa.select::<true>(codec, span, wide),
         }
     }
 
