@@ -21,7 +21,7 @@ use crate::ReadError;
 pub struct Copies {
     /// How long a decoded copy outlives the last close of its file.
     pub grace: Duration,
-    /// Decode the shards an engine will read right after mounting (src/ahead.rs).
+    /// Decode the shards an engine will read right after mounting (src/ahead/).
     pub decode_ahead: bool,
     /// How long an open waits for a copy still filling before it is served through FUSE
     /// from the part decoded so far.
@@ -110,7 +110,7 @@ impl<B: Send + Sync + 'static> Opens<B> {
     }
 
     /// Start what runs beside the opens: in passthrough mode the keeper that lets go of
-    /// copies whose grace period ended, and decode ahead (src/ahead.rs); through FUSE, check
+    /// copies whose grace period ended, and decode ahead (src/ahead/); through FUSE, check
     /// ahead, or fetch ahead into `page_cache` (the kernel's, of the mount). Neither ahead
     /// when turned off.
     pub fn start_background(&self, page_cache: Option<Arc<dyn PageCache>>) {

@@ -1,27 +1,6 @@
-//! Decode ahead: right after mounting, decode the locked shards an engine will read, in the
-//! order engines read them, within the passthrough memory budget and at low priority.
-//!
-//! Engines spend 5-60 s importing and starting before they open a weight file; a mount
-//! started with the engine (or before it) uses that time, so the first open of each shard
-//! finds its copy decoded, or partly decoded and urged to full priority. Shards are decoded
-//! one at a time, each on all cores in the background (`SCHED_IDLE`, so the engine's own
-//! start keeps the CPU). A shard that does not fit waits until copies are let go; a shard
-//! opened meanwhile is left to its open. Copies decoded ahead and not opened yet are the
-//! last let go when an open needs room (`OpenTable::make_room`), and are kept until opened:
-//! their grace period starts at their last close.
-//!
-//! Check ahead ([`CheckAhead`]) is the same idea where there are no decoded copies (serving
-//! through FUSE): a file under a manifest is hashed whole before its first byte is served,
-//! so the files are hashed in the same order right after mounting, in the background, and
-//! an open finds the verdict in instead of waiting for a hash of the whole file.
-//!
-//! Fetch ahead ([`FetchAhead`]) is the same idea through FUSE: the shards' sealed bytes are
-//! brought in, in that order (remote parts kept until read, local pages into the page
-//! cache), and decoded into the kernel's page cache of the mount on a second thread beside
-//! the next fetch; under a manifest, each shard right after its check, or, remote, from the
-//! bytes its check downloads (`ShardWalk::check_and_store`).
+//! Fetch ahead: through FUSE, the shards' sealed bytes brought in right after mounting and
+//! decoded into the kernel's page cache.
 
-use std::cmp::Ordering;
 use std::collections::HashSet;
 use std::sync::Arc;
 use std::time::Duration;
@@ -29,408 +8,11 @@ use std::time::Duration;
 use parking_lot::Mutex;
 
 use crate::background::run_in_background;
-use crate::fill::Fill;
 use crate::source::Object;
-use crate::view::{Content, Ino, View};
+use crate::view::{Ino, View};
 
-/// The index engines read to find the shards of a sharded checkpoint.
-const INDEX: &str = "model.safetensors.index.json";
-/// How often a shard waiting for room in the budget looks again.
-const ROOM_POLL: Duration = Duration::from_secs(1);
-
-/// The locked shards in the order engines load them: those the index lists, by name in
-/// natural order (transformers and vLLM sort them so), then any other, by path.
-pub fn order(view: &View) -> Vec<Ino> {
-    let is_shard = |ino: Ino| {
-        matches!(
-            view.node(ino).map(|n| &n.content),
-            Some(Content::Shard { .. })
-        )
-    };
-    let mut listed: Vec<String> = index_files(view);
-    listed.sort_by(|a, b| natural(a, b));
-    listed.dedup();
-    let mut out: Vec<Ino> = listed
-        .iter()
-        .filter_map(|name| view.resolve(name))
-        .filter(|&ino| is_shard(ino))
-        .collect();
-    let mut rest: Vec<(String, Ino)> = view
-        .file_paths()
-        .into_iter()
-        .filter(|(_, ino)| is_shard(*ino) && !out.contains(ino))
-        .collect();
-    rest.sort_by(|a, b| natural(&a.0, &b.0));
-    out.extend(rest.into_iter().map(|(_, ino)| ino));
-    out
-}
-
-/// The shard names of the root index's `weight_map`, or none.
-fn index_files(view: &View) -> Vec<String> {
-    let Some(ino) = view.resolve(INDEX) else {
-        return Vec::new();
-    };
-    let Some(size) = view.node(ino).map(|n| n.attr.size as usize) else {
-        return Vec::new();
-    };
-    let bytes = match view.read(ino, 0, size) {
-        Ok(b) => b,
-        Err(e) => {
-            log::debug!("decode ahead: {INDEX} not read ({e}); shards in path order");
-            return Vec::new();
-        }
-    };
-    let doc: serde_json::Value = match serde_json::from_slice(&bytes) {
-        Ok(d) => d,
-        Err(e) => {
-            log::debug!("decode ahead: {INDEX} is not JSON ({e}); shards in path order");
-            return Vec::new();
-        }
-    };
-    doc.get("weight_map")
-        .and_then(|m| m.as_object())
-        .map(|m| {
-            m.values()
-                .filter_map(|v| v.as_str().map(str::to_string))
-                .collect()
-        })
-        .unwrap_or_default()
-}
-
-/// Compare names with runs of digits compared as numbers (`model-2` before `model-10`).
-fn natural(a: &str, b: &str) -> Ordering {
-    let (mut x, mut y) = (a.as_bytes(), b.as_bytes());
-    loop {
-        match (x.first(), y.first()) {
-            (None, None) => return Ordering::Equal,
-            (None, _) => return Ordering::Less,
-            (_, None) => return Ordering::Greater,
-            (Some(c), Some(d)) if c.is_ascii_digit() && d.is_ascii_digit() => {
-                let (nx, ny) = (digits(x), digits(y));
-                let (vx, vy) = (&x[..nx], &y[..ny]);
-                let (tx, ty) = (trim_zeros(vx), trim_zeros(vy));
-                let ord = tx.len().cmp(&ty.len()).then(tx.cmp(ty));
-                if ord != Ordering::Equal {
-                    return ord;
-                }
-                x = &x[nx..];
-                y = &y[ny..];
-            }
-            (Some(c), Some(d)) if c != d => return c.cmp(d),
-            _ => {
-                x = &x[1..];
-                y = &y[1..];
-            }
-        }
-    }
-}
-
-fn digits(s: &[u8]) -> usize {
-    s.iter().take_while(|c| c.is_ascii_digit()).count()
-}
-
-fn trim_zeros(s: &[u8]) -> &[u8] {
-    let z = s.iter().take_while(|&&c| c == b'0').count();
-    &s[z..]
-}
-
-/// What a request to decode a file ahead did.
-pub enum Ahead {
-    Started(Arc<Fill>),
-    /// Opened already, or decoded already.
-    Skipped,
-    /// The budget has no room for it now.
-    NoRoom,
-}
-
-/// Start decoding ahead on a thread of its own: `decode(ino, rank)` asks for one shard's
-/// copy (see `OpenTable::decode_ahead`); `budget()` is the passthrough memory while
-/// passthrough is on, `None` once it is off.
-pub fn start(
-    view: Arc<View>,
-    budget: impl Fn() -> Option<u64> + Send + 'static,
-    decode: impl Fn(Ino, usize) -> Ahead + Send + 'static,
-) {
-    let run = move || run(&view, budget, decode);
-    spawn(
-        "kllm-ahead",
-        run,
-        "decode ahead",
-        "shards are decoded on their first open",
-    );
-}
-
-/// Start `run` on a thread named `name`; whether it started. If not, say that there is no
-/// `what` and what happens instead (`then`).
-fn spawn(name: &str, run: impl FnOnce() + Send + 'static, what: &str, then: &str) -> bool {
-    match std::thread::Builder::new().name(name.into()).spawn(run) {
-        Ok(_) => true,
-        Err(e) => {
-            log::warn!("no {what} ({e}): {then}");
-            false
-        }
-    }
-}
-
-fn run(view: &View, budget: impl Fn() -> Option<u64>, decode: impl Fn(Ino, usize) -> Ahead) {
-    let order = order(view);
-    log::debug!("decode ahead: {} shards", order.len());
-    for (rank, &ino) in order.iter().enumerate() {
-        loop {
-            let Some(budget) = budget() else {
-                return;
-            };
-            if view.node(ino).map_or(0, |n| n.attr.size) > budget {
-                break;
-            }
-            match decode(ino, rank) {
-                Ahead::Started(fill) => {
-                    fill.wait_done();
-                    break;
-                }
-                Ahead::Skipped => break,
-                Ahead::NoRoom => std::thread::sleep(ROOM_POLL),
-            }
-        }
-    }
-    log::debug!("decode ahead: done");
-}
-
-/// Check ahead: the files under a manifest hashed right after mounting, one at a time on a
-/// thread of its own in the background (`SCHED_IDLE`): first the files other than shards
-/// (small, and what engines open first: config, tokenizer, index), then each shard in the
-/// order engines load them ([`order`]), each followed at once by its fetch ahead
-/// ([`ShardWalk`]), so the first shard is decoded into the kernel while the next is hashed;
-/// a remote shard is stored from the bytes its hash reads, downloaded once.
-/// Through FUSE an open of such a file waits for its verdict: hashed ahead, it finds the
-/// verdict in, or its hash under way and urged to the normal policy (a hash one waits for
-/// must not run only on idle cycles). A local file's sealed bytes are then in the page
-/// cache for the reads that follow.
-pub struct CheckAhead {
-    state: Mutex<Checking>,
-    /// Signalled when a shard is taken and when the thread ends.
-    moved: parking_lot::Condvar,
-}
-
-#[derive(Default)]
-struct Checking {
-    /// The file being hashed ahead, its length, and whether an open urged its hash.
-    current: Option<Ino>,
-    current_len: u64,
-    urged: bool,
-    /// The check-ahead thread.
-    tid: Option<libc::pid_t>,
-    /// Files an open asked for before their hash ahead began: hashed by the open itself.
-    opened: HashSet<Ino>,
-    /// Remote shards check ahead is to hash and store from one download, not taken yet.
-    coming: HashSet<Ino>,
-    /// The one of them an open waits for: taken next, its hash urged.
-    wanted: Option<Ino>,
-    /// Whether a shard is in hand (an open of another one then hashes it itself, rather
-    /// than wait for a whole shard).
-    on_shard: bool,
-    /// Shards taken whose digest check ahead feeds, or that it left: an open waiting for
-    /// one goes on to its verdict.
-    taken: HashSet<Ino>,
-    /// The thread has ended.
-    ended: bool,
-}
-
-/// Marks check ahead ended however its thread ends, so no open waits for it.
-struct CheckEnded(Arc<CheckAhead>);
-
-impl Drop for CheckEnded {
-    fn drop(&mut self) {
-        self.0.state.lock().ended = true;
-        self.0.moved.notify_all();
-    }
-}
-
-impl CheckAhead {
-    fn new() -> CheckAhead {
-        CheckAhead {
-            state: Mutex::new(Checking::default()),
-            moved: parking_lot::Condvar::new(),
-        }
-    }
-
-    /// Start checking ahead on a thread of its own, `shards` in that order ([`order`]), each
-    /// fetched ahead right after its verdict when `fetch` is given; `None` if there is
-    /// nothing to check or the thread could not start.
-    pub fn start(
-        view: Arc<View>,
-        shards: Vec<Ino>,
-        fetch: Option<FetchPlan>,
-    ) -> Option<Arc<CheckAhead>> {
-        if !awaits_any_verdict(&view) {
-            return None;
-        }
-        let others = others_to_check(&view, &shards);
-        let check = Arc::new(CheckAhead::new());
-        if fetch.as_ref().is_some_and(|f| f.page_cache.is_some()) {
-            check.state.lock().coming = (shards.iter().copied())
-                .filter(|&ino| view.awaits_verdict(ino) && is_remote(&view, ino))
-                .collect();
-        }
-        let c = check.clone();
-        let run = move || {
-            let _ended = CheckEnded(c.clone());
-            // SAFETY: gettid has no preconditions.
-            c.state.lock().tid = Some(unsafe { libc::gettid() });
-            log::debug!(
-                "check ahead: {} files, then {} shards",
-                others.len(),
-                shards.len()
-            );
-            let check = |ino: Ino| {
-                let len = view.node(ino).map_or(0, |n| n.attr.size);
-                if view.awaits_verdict(ino) && c.claim(ino, len) {
-                    // A mismatch is logged by the verdict itself; its opens fail.
-                    let _ = view.verify(ino);
-                    c.done();
-                    log::debug!("check ahead: {} checked", view.path_of(ino));
-                }
-            };
-            others.into_iter().for_each(check);
-            let mut walk = fetch.map(|plan| plan.walk(&view));
-            let mut todo: std::collections::VecDeque<Ino> = shards.into();
-            while let Some(ino) = c.next_shard(&mut todo) {
-                // A remote shard read once for both its hash and its store; any other
-                // hashed, then fetched ahead (not if it failed: its reads fail).
-                let stored = (walk.as_mut()).is_some_and(|w| w.check_and_store(&view, &c, ino));
-                c.taken(ino);
-                if !stored {
-                    check(ino);
-                    if let Some(w) = walk.as_mut().filter(|_| !view.failed_check(ino)) {
-                        if !w.shard(&view, ino) {
-                            walk = None;
-                        }
-                    }
-                }
-                c.shard_done();
-            }
-            log::debug!("check ahead: done");
-        };
-        let hashed_on_open = "files are hashed on their first open";
-        spawn("kllm-check", run, "check ahead", hashed_on_open).then_some(check)
-    }
-
-    /// Whether the check-ahead thread hashes file `ino` now (in the background, or urged
-    /// if an open waits for it), or leaves it to the open that asked for it first.
-    fn claim(&self, ino: Ino, len: u64) -> bool {
-        let mut s = self.state.lock();
-        if s.opened.contains(&ino) {
-            return false;
-        }
-        let urged = s.wanted == Some(ino);
-        if let Some(tid) = s.tid {
-            run_in_background(tid, !urged);
-        }
-        s.current = Some(ino);
-        s.current_len = len;
-        s.urged = urged;
-        true
-    }
-
-    /// The shard to check next: the one an open waits for, else the next in order.
-    fn next_shard(&self, todo: &mut std::collections::VecDeque<Ino>) -> Option<Ino> {
-        let mut s = self.state.lock();
-        let ino = match s.wanted.and_then(|w| todo.iter().position(|&i| i == w)) {
-            Some(at) => todo.remove(at),
-            None => todo.pop_front(),
-        }?;
-        s.coming.remove(&ino);
-        s.on_shard = true;
-        Some(ino)
-    }
-
-    /// Shard `ino` is fed by check ahead now, or was left: an open waiting for it goes on.
-    fn taken(&self, ino: Ino) {
-        let mut s = self.state.lock();
-        if s.taken.insert(ino) {
-            self.moved.notify_all();
-        }
-        if s.wanted == Some(ino) {
-            s.wanted = None;
-        }
-    }
-
-    /// The shard in hand is checked (and fetched ahead).
-    fn shard_done(&self) {
-        self.state.lock().on_shard = false;
-    }
-
-    fn done(&self) {
-        let mut s = self.state.lock();
-        s.current = None;
-        s.urged = false;
-        // The fetch that follows runs in the background whatever urged the hash.
-        if let Some(tid) = s.tid {
-            run_in_background(tid, true);
-        }
-    }
-
-    /// Whether an open waits for the verdict of the file hashed now.
-    fn urged(&self) -> bool {
-        self.state.lock().urged
-    }
-
-    /// An open is about to wait for file `ino`'s verdict: a hash of it under way ahead is
-    /// urged to the normal policy, and one not begun is left to the open. Whether it urged.
-    pub fn before_verdict(&self, ino: Ino) -> bool {
-        let mut s = self.state.lock();
-        let busy = s.on_shard || (s.current.is_some() && s.current_len > WAIT_BEHIND_MAX);
-        let free = s.wanted.is_none() || s.wanted == Some(ino);
-        if s.coming.contains(&ino) && !busy && !s.ended && free {
-            // A remote shard check ahead has not begun while it hashes no other shard:
-            // taken next, from one download that also stores it, rather than hashed here
-            // and downloaded again by the reads.
-            s.wanted = Some(ino);
-            if let Some(tid) = s.tid {
-                run_in_background(tid, false);
-            }
-            log::debug!("check ahead: an open waits for a shard, taken next");
-            while !s.taken.contains(&ino) && !s.ended {
-                self.moved.wait(&mut s);
-            }
-            return true;
-        }
-        if s.current == Some(ino) {
-            if !s.urged {
-                s.urged = true;
-                if let Some(tid) = s.tid {
-                    run_in_background(tid, false);
-                }
-                log::debug!("check ahead urged by an open");
-            }
-            return true;
-        }
-        s.opened.insert(ino);
-        false
-    }
-}
-
-/// The files other than `shards` whose verdict is not in: check ahead hashes them first.
-fn others_to_check(view: &View, shards: &[Ino]) -> Vec<Ino> {
-    view.file_paths()
-        .into_iter()
-        .map(|(_, ino)| ino)
-        .filter(|ino| !shards.contains(ino) && view.awaits_verdict(*ino))
-        .collect()
-}
-
-/// Whether file `ino`'s sealed bytes come from a remote source (held in the daemon's
-/// memory when fetched ahead).
-fn is_remote(view: &View, ino: Ino) -> bool {
-    matches!(view.sealed_object(ino), Ok(Some(o)) if o.holds_fetched_ahead())
-}
-
-/// Whether anything in the view awaits its verdict (a manifest lists it, unchecked yet).
-pub fn awaits_any_verdict(view: &View) -> bool {
-    view.file_paths()
-        .iter()
-        .any(|&(_, ino)| view.awaits_verdict(ino))
-}
+use super::check::CheckAhead;
+use super::spawn;
 
 /// Fetch ahead: where shards are served through FUSE, their sealed bytes are what an open
 /// would wait for (under a manifest, once hashed). Right after mounting (under a manifest,
@@ -491,9 +73,6 @@ const BUFFER_POLL: Duration = Duration::from_millis(20);
 /// The longest a hash an open waits for waits for a free buffer; then the step is hashed
 /// only (a store thread that cannot go on must not hold a verdict back).
 const URGED_BUFFER_WAIT: Duration = Duration::from_millis(250);
-/// The largest file check ahead may be hashing for an open of a shard to wait for it to
-/// end, rather than hash that shard itself.
-const WAIT_BEHIND_MAX: u64 = 64 << 20;
 
 impl FetchAhead {
     pub fn new() -> Arc<FetchAhead> {
@@ -502,7 +81,7 @@ impl FetchAhead {
         })
     }
 
-    /// Start fetching ahead `shards` ([`order`]) on a thread of its own; whether it started
+    /// Start fetching ahead `shards` ([`super::order`]) on a thread of its own; whether it started
     /// (not if there is no shard).
     pub fn start(self: &Arc<Self>, view: Arc<View>, shards: Vec<Ino>, plan: FetchPlan) -> bool {
         if shards.is_empty() {
@@ -546,7 +125,7 @@ pub struct FetchPlan {
 impl FetchPlan {
     /// Begin the walk over the shards on the calling thread, which goes to the background;
     /// the store thread, if any, starts here.
-    fn walk(self, view: &Arc<View>) -> ShardWalk<Storing> {
+    pub(super) fn walk(self, view: &Arc<View>) -> ShardWalk<Storing> {
         // Nobody waits for it: the engine's own start keeps the CPU.
         // SAFETY: gettid has no preconditions.
         run_in_background(unsafe { libc::gettid() }, true);
@@ -556,7 +135,7 @@ impl FetchPlan {
 }
 
 /// Where fetch ahead's steps go.
-trait Steps {
+pub(super) trait Steps {
     /// Whether they are stored in the kernel (opened shards are then skipped, not the end).
     fn stores(&self) -> bool;
     /// Bytes `[off, off + len)` of shard `ino` are in; `held`: in the daemon's memory.
@@ -567,7 +146,7 @@ trait Steps {
 
 /// Fetch ahead's walk over the shards, one after another: the ramp of its steps and the
 /// bytes brought in so far carry from one shard to the next.
-struct ShardWalk<S> {
+pub(super) struct ShardWalk<S> {
     ahead: Arc<FetchAhead>,
     bound: u64,
     step: u64,
@@ -587,7 +166,7 @@ impl<S: Steps> ShardWalk<S> {
     }
 
     /// Fetch shard `ino` ahead; whether to go on with the next.
-    fn shard(&mut self, view: &View, ino: Ino) -> bool {
+    pub(super) fn shard(&mut self, view: &View, ino: Ino) -> bool {
         match view.sealed_object(ino) {
             Ok(Some(object)) => {
                 log::debug!("fetch ahead: {} begins", view.path_of(ino));
@@ -648,7 +227,7 @@ impl ShardWalk<Storing> {
     /// failed one refuses them all; they are dropped then. While an open waits, the store
     /// thread runs urged too (`Handoff::take_buffer`). Whether the shard was checked here (false: not a remote shard awaiting its verdict,
     /// no store thread, or an open hashes it).
-    fn check_and_store(&mut self, view: &View, check: &CheckAhead, ino: Ino) -> bool {
+    pub(super) fn check_and_store(&mut self, view: &View, check: &CheckAhead, ino: Ino) -> bool {
         let (Some(handoff), Some(cache)) = (self.steps.handoff.clone(), self.steps.cache.clone())
         else {
             return false;
@@ -735,7 +314,7 @@ impl<S> Drop for ShardWalk<S> {
 }
 
 /// Fetch ahead's steps counted, and handed to the store thread when there is one.
-struct Storing {
+pub(super) struct Storing {
     stats: Arc<crate::metrics::Stats>,
     handoff: Option<Arc<Handoff>>,
     /// The page cache the store thread stores into.
@@ -1171,87 +750,6 @@ fn store_piece(cache: &dyn PageCache, view: &View, ino: Ino, at: u64, piece: &[u
 mod tests {
     use super::*;
 
-    /// An open that comes first hashes the file itself (check ahead skips it); one that
-    /// comes while the file is hashed ahead urges that hash once, and later files go back
-    /// to the background.
-    #[test]
-    fn check_ahead_leaves_a_file_opened_first_and_urges_one_under_way() {
-        let c = CheckAhead::new();
-        assert!(!c.before_verdict(3), "nothing under way: the open hashes");
-        assert!(
-            !c.claim(3, 0),
-            "a file an open asked for first is left to it"
-        );
-        assert!(c.claim(4, 0));
-        assert!(
-            c.before_verdict(4),
-            "an open of the file under way urges it"
-        );
-        assert!(c.state.lock().urged);
-        assert!(c.before_verdict(4), "a second open finds it urged");
-        c.done();
-        assert!(c.claim(5, 0));
-        assert!(
-            !c.state.lock().urged,
-            "the next file starts in the background"
-        );
-        assert!(!c.before_verdict(4), "a file done: its verdict is in");
-    }
-
-    /// An open of a remote shard check ahead has not begun, while it hashes no other shard,
-    /// waits for check ahead to take that shard next (its hash urged) rather than hash it
-    /// itself; while another shard is in hand, or once check ahead has ended, it does not
-    /// wait.
-    #[test]
-    fn an_open_of_a_coming_shard_waits_for_check_ahead_to_take_it_next() {
-        let pause = || std::thread::sleep(Duration::from_millis(100));
-        let c = Arc::new(CheckAhead::new());
-        c.state.lock().coming = [5, 6, 7].into_iter().collect();
-        assert!(c.claim(1, 0), "a small file in hand");
-        let c2 = c.clone();
-        let open = std::thread::spawn(move || c2.before_verdict(7));
-        let c3 = c.clone();
-        let rank = std::thread::spawn(move || c3.before_verdict(7));
-        pause();
-        assert!(!open.is_finished(), "the open waits for check ahead");
-        assert!(
-            !rank.is_finished(),
-            "so does a second open of the same shard"
-        );
-        c.done();
-        let mut todo: std::collections::VecDeque<Ino> = [5, 6, 7].into();
-        assert_eq!(c.next_shard(&mut todo), Some(7), "the wanted shard first");
-        assert!(c.claim(7, 0));
-        assert!(c.urged(), "its hash urged");
-        c.taken(7);
-        assert!(open.join().unwrap());
-        assert!(rank.join().unwrap());
-        assert!(
-            !c.state.lock().opened.contains(&7),
-            "neither hashes it itself"
-        );
-        c.done();
-        c.shard_done();
-        assert_eq!(c.next_shard(&mut todo), Some(5));
-        assert!(
-            !c.before_verdict(6),
-            "another shard in hand: the open hashes it"
-        );
-        assert!(!c.claim(6, 0), "and check ahead leaves it");
-        c.taken(5);
-        c.shard_done();
-        c.state.lock().coming.insert(8);
-        assert!(c.claim(2, WAIT_BEHIND_MAX + 1));
-        assert!(
-            !c.before_verdict(8),
-            "a large file in hand: the open hashes it"
-        );
-        c.done();
-        c.state.lock().coming.insert(9);
-        drop(CheckEnded(c.clone()));
-        assert!(!c.before_verdict(9), "check ahead ended: no wait");
-    }
-
     /// An object that takes on what it is asked for while its budget lasts, noting each ask;
     /// after `opens_after` asks in all, shard `ino` is opened.
     struct Budgeted {
@@ -1502,27 +1000,5 @@ mod tests {
             "the store thread is gone"
         );
         assert!(!h.drain());
-    }
-
-    #[test]
-    fn natural_order_of_shard_names() {
-        let mut names = vec![
-            "model-10-of-12.safetensors",
-            "model-2-of-12.safetensors",
-            "model-00001-of-00012.safetensors",
-            "a/model.safetensors",
-            "model-1-of-12.safetensors",
-        ];
-        names.sort_by(|a, b| natural(a, b));
-        assert_eq!(
-            names,
-            [
-                "a/model.safetensors",
-                "model-00001-of-00012.safetensors",
-                "model-1-of-12.safetensors",
-                "model-2-of-12.safetensors",
-                "model-10-of-12.safetensors",
-            ]
-        );
     }
 }
