@@ -1495,6 +1495,14 @@ fn take_piece_buffer() -> Option<PieceBuffer> {
     buf.map(|b| PieceBuffer(Some(b)))
 }
 
+/// Free the piece buffers no decode holds (memory pressure), wiped; as many are made again
+/// as pieces need them. Returns their bytes.
+pub fn drain_piece_buffers() -> u64 {
+    let drained = std::mem::take(&mut *PIECE_BUFFERS_FREE.lock());
+    PIECE_BUFFERS_MADE.fetch_sub(drained.len(), Ordering::Relaxed);
+    drained.len() as u64 * WRITE_PIECE
+}
+
 /// A piece buffer taken; back among the free ones when dropped, a decode that panicked
 /// included.
 struct PieceBuffer(Option<crate::secmem::SecureBuf>);

@@ -1194,6 +1194,25 @@ fn cached_pieces_without_a_buffer_are_unlocked_in_place() {
     assert_eq!(fetches.load(Ordering::SeqCst), pieces, "a fetch per piece");
 }
 
+/// Under memory pressure the free piece buffers are let go; as many can be had again.
+#[test]
+fn free_piece_buffers_are_let_go_and_made_again() {
+    let _turn = PIECE_BUFFERS_TURN.lock();
+    let mut held = Vec::new();
+    wait_until(30, "every piece buffer", || {
+        held.extend(std::iter::from_fn(super::take_piece_buffer));
+        held.len() == super::PIECE_BUFFERS
+    });
+    drop(held);
+    // Another test's fill may take one back between the two lines, not all of them.
+    assert!(super::drain_piece_buffers() >= super::WRITE_PIECE);
+    let mut held = Vec::new();
+    wait_until(30, "every piece buffer, made again", || {
+        held.extend(std::iter::from_fn(super::take_piece_buffer));
+        held.len() == super::PIECE_BUFFERS
+    });
+}
+
 /// A decode that panics (a bug) fails its chunk, and the piece buffer it held goes back
 /// among the free ones: every buffer can still be had.
 #[test]

@@ -448,7 +448,7 @@ fn start_copy<B>(
 
 /// What a mount can let go of at any time, to stay under its memory limit: decoded copies
 /// no file uses (closed longest ago first, then those decoded ahead), then the FUSE path's
-/// cached blocks, then the wiped buffers kept for reuse. Shared with the pressure watcher
+/// cached blocks, then the buffers kept for reuse (the fill's piece buffers, the wiped ones). Shared with the pressure watcher
 /// (src/pressure.rs).
 #[derive(Clone)]
 pub struct Reclaim {
@@ -465,6 +465,8 @@ impl Reclaim {
             freed += self.view.cache().shed(bytes - freed);
         }
         if freed < bytes {
+            // Dropped, the piece buffers go to the pool of wiped buffers: drained first.
+            crate::fill::drain_piece_buffers();
             freed += crate::secmem::drain_pool();
         }
         freed
