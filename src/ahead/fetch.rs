@@ -225,8 +225,9 @@ impl ShardWalk<Storing> {
     /// then fetched ahead, the shard was downloaded twice. The pages stored before the
     /// verdict are read by no one: every open of the file waits for the verdict, and a
     /// failed one refuses them all; they are dropped then. While an open waits, the store
-    /// thread runs urged too (`Handoff::take_buffer`). Whether the shard was checked here (false: not a remote shard awaiting its verdict,
-    /// no store thread, or an open hashes it).
+    /// thread runs urged too (`Handoff::take_buffer`). Whether the shard was checked here
+    /// (false: not a remote shard awaiting its verdict, no store thread, or an open hashes
+    /// it).
     pub(super) fn check_and_store(&mut self, view: &View, check: &CheckAhead, ino: Ino) -> bool {
         let (Some(handoff), Some(cache)) = (self.steps.handoff.clone(), self.steps.cache.clone())
         else {
