@@ -2,8 +2,9 @@
 //! how an index moves by that offset modulo `span`. Every kernel goes through these, so the
 //! lane loops differ only in how codes are read and written.
 
-/// The integer type a kernel computes in: 32-bit lanes for narrow streams (4 bytes of stream
-/// a code, spans up to 2^31), 64-bit for wide ones (8 bytes a code).
+/// The integer type a kernel computes in: 16-bit lanes for codes of at most 16 bits with a
+/// span below 2^16, 32-bit lanes for other narrow streams (4 bytes of stream a code, spans up
+/// to 2^31), 64-bit for wide ones (8 bytes a code).
 pub(super) trait Lane:
     Copy
     + Ord
@@ -25,7 +26,8 @@ pub(super) trait Lane:
     fn from_u64(x: u64) -> Self;
     fn from_bool(b: bool) -> Self;
 
-    /// A little-endian unsigned value of `width` bytes (1, 2, 4 or 8), cut to the lane.
+    /// A little-endian unsigned value of `width` bytes (1, 2, 4 or 8; at most 2 in 16-bit
+    /// lanes), cut to the lane.
     fn load(bytes: &[u8], width: usize) -> Self;
     /// The low `width` bytes of `self`, little-endian, zero-extended when `width` is wider.
     fn store(self, bytes: &mut [u8], width: usize);
@@ -42,6 +44,42 @@ pub(super) trait Lane:
     fn wrapping_sub(self, rhs: Self) -> Self;
 }
 
+/// The methods every lane type has as a plain integer: conversions in, and the overflowing
+/// and wrapping arithmetic of the same name.
+macro_rules! plain_integer_ops {
+    ($t:ty) => {
+        #[inline(always)]
+        fn from_u64(x: u64) -> $t {
+            x as $t
+        }
+
+        #[inline(always)]
+        fn from_bool(b: bool) -> $t {
+            b as $t
+        }
+
+        #[inline(always)]
+        fn overflowing_sub(self, rhs: $t) -> ($t, bool) {
+            <$t>::overflowing_sub(self, rhs)
+        }
+
+        #[inline(always)]
+        fn overflowing_add(self, rhs: $t) -> ($t, bool) {
+            <$t>::overflowing_add(self, rhs)
+        }
+
+        #[inline(always)]
+        fn wrapping_add(self, rhs: $t) -> $t {
+            <$t>::wrapping_add(self, rhs)
+        }
+
+        #[inline(always)]
+        fn wrapping_sub(self, rhs: $t) -> $t {
+            <$t>::wrapping_sub(self, rhs)
+        }
+    };
+}
+
 /// 16-bit lanes for codes and spans below 2^16 (BF16, F16, 8-bit and 4-bit codes, I16
 /// tables): twice the codes per vector of 32-bit lanes. The stream word is still 32 bits,
 /// taken as two halves.
@@ -50,18 +88,11 @@ impl Lane for u16 {
     type Span = u16;
     const ONE: u16 = 1;
 
-    #[inline(always)]
-    fn from_u64(x: u64) -> u16 {
-        x as u16
-    }
-
-    #[inline(always)]
-    fn from_bool(b: bool) -> u16 {
-        b as u16
-    }
+    plain_integer_ops!(u16);
 
     #[inline(always)]
     fn load(bytes: &[u8], width: usize) -> u16 {
+        debug_assert!(width <= 2, "16-bit lanes hold codes of at most 2 bytes");
         match width {
             1 => bytes[0] as u16,
             _ => u16::from_le_bytes(bytes[..2].try_into().expect("2 bytes")),
@@ -70,13 +101,10 @@ impl Lane for u16 {
 
     #[inline(always)]
     fn store(self, bytes: &mut [u8], width: usize) {
+        debug_assert!(width <= 2, "16-bit lanes hold codes of at most 2 bytes");
         match width {
             1 => bytes[0] = self as u8,
-            2 => bytes[..2].copy_from_slice(&self.to_le_bytes()),
-            _ => {
-                bytes[..2].copy_from_slice(&self.to_le_bytes());
-                bytes[2..width].fill(0);
-            }
+            _ => bytes[..2].copy_from_slice(&self.to_le_bytes()),
         }
     }
 
@@ -92,26 +120,6 @@ impl Lane for u16 {
         let high = u16::from_le_bytes(word[2..4].try_into().expect("2 bytes"));
         half_word_offset(low, high, span)
     }
-
-    #[inline(always)]
-    fn overflowing_sub(self, rhs: u16) -> (u16, bool) {
-        u16::overflowing_sub(self, rhs)
-    }
-
-    #[inline(always)]
-    fn overflowing_add(self, rhs: u16) -> (u16, bool) {
-        u16::overflowing_add(self, rhs)
-    }
-
-    #[inline(always)]
-    fn wrapping_add(self, rhs: u16) -> u16 {
-        u16::wrapping_add(self, rhs)
-    }
-
-    #[inline(always)]
-    fn wrapping_sub(self, rhs: u16) -> u16 {
-        u16::wrapping_sub(self, rhs)
-    }
 }
 
 impl Lane for u32 {
@@ -119,15 +127,7 @@ impl Lane for u32 {
     type Span = u32;
     const ONE: u32 = 1;
 
-    #[inline(always)]
-    fn from_u64(x: u64) -> u32 {
-        x as u32
-    }
-
-    #[inline(always)]
-    fn from_bool(b: bool) -> u32 {
-        b as u32
-    }
+    plain_integer_ops!(u32);
 
     #[inline(always)]
     fn load(bytes: &[u8], width: usize) -> u32 {
@@ -163,26 +163,6 @@ impl Lane for u32 {
             narrow_offset::<false>(word, span)
         }
     }
-
-    #[inline(always)]
-    fn overflowing_sub(self, rhs: u32) -> (u32, bool) {
-        u32::overflowing_sub(self, rhs)
-    }
-
-    #[inline(always)]
-    fn overflowing_add(self, rhs: u32) -> (u32, bool) {
-        u32::overflowing_add(self, rhs)
-    }
-
-    #[inline(always)]
-    fn wrapping_add(self, rhs: u32) -> u32 {
-        u32::wrapping_add(self, rhs)
-    }
-
-    #[inline(always)]
-    fn wrapping_sub(self, rhs: u32) -> u32 {
-        u32::wrapping_sub(self, rhs)
-    }
 }
 
 impl Lane for u64 {
@@ -190,15 +170,7 @@ impl Lane for u64 {
     type Span = WideSpan;
     const ONE: u64 = 1;
 
-    #[inline(always)]
-    fn from_u64(x: u64) -> u64 {
-        x
-    }
-
-    #[inline(always)]
-    fn from_bool(b: bool) -> u64 {
-        b as u64
-    }
+    plain_integer_ops!(u64);
 
     #[inline(always)]
     fn load(bytes: &[u8], width: usize) -> u64 {
@@ -220,26 +192,6 @@ impl Lane for u64 {
     #[inline(always)]
     fn offset(word: &[u8], span: WideSpan, _small_span: bool) -> u64 {
         wide_offset(u64::load(word, 8), span)
-    }
-
-    #[inline(always)]
-    fn overflowing_sub(self, rhs: u64) -> (u64, bool) {
-        u64::overflowing_sub(self, rhs)
-    }
-
-    #[inline(always)]
-    fn overflowing_add(self, rhs: u64) -> (u64, bool) {
-        u64::overflowing_add(self, rhs)
-    }
-
-    #[inline(always)]
-    fn wrapping_add(self, rhs: u64) -> u64 {
-        u64::wrapping_add(self, rhs)
-    }
-
-    #[inline(always)]
-    fn wrapping_sub(self, rhs: u64) -> u64 {
-        u64::wrapping_sub(self, rhs)
     }
 }
 

@@ -280,53 +280,31 @@ impl Isa {
     }
 
     /// The kernel for a codec: `wide` streams give 8 bytes a code and need 64-bit lanes;
-    /// narrow codes with a span below 2^16 take 16-bit lanes.
+    /// codes of 16 bits or fewer with a span below 2^16 take 16-bit lanes.
     pub(super) fn select<const LOCK: bool>(self, codec: Codec, span: u64, wide: bool) -> BatchFn {
-        let lanes = Lanes::for_span(span, wide);
         match codec {
-            Codec::Float { bits: 8, .. } => self.by_lanes::<SignMagnitude<1>, LOCK>(lanes),
-            Codec::Float { bits: 16, .. } => self.by_lanes::<SignMagnitude<2>, LOCK>(lanes),
-            Codec::Float { .. } => self.by_lanes::<SignMagnitude<4>, LOCK>(lanes),
-            Codec::E8m0 => self.by_lanes::<Unsigned<1>, LOCK>(lanes),
-            Codec::Index { bytes: 2 } => self.by_lanes::<Unsigned<2>, LOCK>(lanes),
-            Codec::Index { bytes: 4 } => self.by_lanes::<Unsigned<4>, LOCK>(lanes),
+            Codec::Float { bits: 8, .. } => self.by_lanes::<SignMagnitude<1>, LOCK>(span, wide),
+            Codec::Float { bits: 16, .. } => self.by_lanes::<SignMagnitude<2>, LOCK>(span, wide),
+            Codec::Float { .. } => self.by_lanes::<SignMagnitude<4>, LOCK>(span, wide),
+            Codec::E8m0 => self.by_lanes::<Unsigned<1>, LOCK>(span, wide),
+            Codec::Index { bytes: 2 } => self.by_lanes::<Unsigned<2>, LOCK>(span, wide),
+            Codec::Index { bytes: 4 } => self.by_lanes::<Unsigned<4>, LOCK>(span, wide),
             // Checked codes are below 2^31, so 8-byte integers fit 32-bit lanes too.
-            Codec::Index { .. } => self.by_lanes::<Unsigned<8>, LOCK>(lanes),
+            Codec::Index { .. } => self.by_lanes::<Unsigned<8>, LOCK>(span, wide),
             // FP4 spans are at most 16: never wide.
-            Codec::Fp4x2 => self.by_lanes::<Fp4Pair, LOCK>(lanes),
+            Codec::Fp4x2 => self.by_lanes::<Fp4Pair, LOCK>(span, wide),
         }
     }
 
-    fn by_lanes<K: Kind, const LOCK: bool>(self, lanes: Lanes) -> BatchFn {
-        match lanes {
-            // Codes wider than 16 bits never have a span below 2^16 worth a narrow lane:
-            // their kinds are built for 32-bit lanes at least.
-            Lanes::Narrow if K::CODE_BITS <= 16 => self.kernel::<K, u16, LOCK>(),
-            Lanes::Narrow | Lanes::Normal => self.kernel::<K, u32, LOCK>(),
-            Lanes::Wide => self.kernel::<K, u64, LOCK>(),
-        }
-    }
-}
-
-/// The lane width a tensor's arithmetic needs.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub(super) enum Lanes {
-    /// 16 bits: spans below 2^16 (stream words still 4 bytes).
-    Narrow,
-    /// 32 bits: 4-byte stream words, spans up to 2^31.
-    Normal,
-    /// 64 bits: 8-byte stream words.
-    Wide,
-}
-
-impl Lanes {
-    pub(super) fn for_span(span: u64, wide: bool) -> Lanes {
+    fn by_lanes<K: Kind, const LOCK: bool>(self, span: u64, wide: bool) -> BatchFn {
         if wide {
-            Lanes::Wide
-        } else if span < 1 << 16 {
-            Lanes::Narrow
+            self.kernel::<K, u64, LOCK>()
+        } else if K::CODE_BITS <= 16 && span < 1 << 16 {
+            // Wider codes stay in 32-bit lanes whatever their span: a lane holds the whole
+            // code as read (a sign-magnitude code's sign bit is its top bit).
+            self.kernel::<K, u16, LOCK>()
         } else {
-            Lanes::Normal
+            self.kernel::<K, u32, LOCK>()
         }
     }
 }
