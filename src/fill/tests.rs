@@ -1172,17 +1172,22 @@ fn cached_chunks_are_decoded_and_written_not_fetched() {
 /// process's.
 static PIECE_BUFFERS_TURN: Mutex<()> = Mutex::new(());
 
+/// Every piece buffer, including those other tests' fills hold for a moment.
+fn every_piece_buffer(what: &str) -> Vec<super::PieceBuffer> {
+    let mut held = Vec::new();
+    wait_until(30, what, || {
+        held.extend(std::iter::from_fn(super::take_piece_buffer));
+        held.len() == super::PIECE_BUFFERS
+    });
+    held
+}
+
 /// With every piece buffer in use, a cached chunk's pieces are fetched into place and
 /// unlocked there, each on its own: the bytes are the same.
 #[test]
 fn cached_pieces_without_a_buffer_are_unlocked_in_place() {
     let _turn = PIECE_BUFFERS_TURN.lock();
-    // Every buffer, including those other tests' fills hold for a moment.
-    let mut held = Vec::new();
-    wait_until(30, "every piece buffer", || {
-        held.extend(std::iter::from_fn(super::take_piece_buffer));
-        held.len() == super::PIECE_BUFFERS
-    });
+    let held = every_piece_buffer("every piece buffer");
     let n = 3;
     let (mut src, fetches, _) = sealed_source(4, None);
     src.in_page_cache = Some(Box::new(|_, _| true));
@@ -1198,19 +1203,10 @@ fn cached_pieces_without_a_buffer_are_unlocked_in_place() {
 #[test]
 fn free_piece_buffers_are_let_go_and_made_again() {
     let _turn = PIECE_BUFFERS_TURN.lock();
-    let mut held = Vec::new();
-    wait_until(30, "every piece buffer", || {
-        held.extend(std::iter::from_fn(super::take_piece_buffer));
-        held.len() == super::PIECE_BUFFERS
-    });
-    drop(held);
+    drop(every_piece_buffer("every piece buffer"));
     // Another test's fill may take one back between the two lines, not all of them.
     assert!(super::drain_piece_buffers() >= super::WRITE_PIECE);
-    let mut held = Vec::new();
-    wait_until(30, "every piece buffer, made again", || {
-        held.extend(std::iter::from_fn(super::take_piece_buffer));
-        held.len() == super::PIECE_BUFFERS
-    });
+    every_piece_buffer("every piece buffer, made again");
 }
 
 /// A decode that panics (a bug) fails its chunk, and the piece buffer it held goes back
@@ -1228,9 +1224,5 @@ fn a_panicking_decode_gives_its_piece_buffer_back() {
     let f = start(3 * CHUNK, src, Priority::Demand);
     assert!(f.wait_complete(Duration::from_secs(60)).is_none());
     assert_eq!(f.progress(), Progress::Broken);
-    let mut held = Vec::new();
-    wait_until(30, "every piece buffer", || {
-        held.extend(std::iter::from_fn(super::take_piece_buffer));
-        held.len() == super::PIECE_BUFFERS
-    });
+    every_piece_buffer("every piece buffer");
 }

@@ -448,8 +448,8 @@ fn start_copy<B>(
 
 /// What a mount can let go of at any time, to stay under its memory limit: decoded copies
 /// no file uses (closed longest ago first, then those decoded ahead), then the FUSE path's
-/// cached blocks, then the buffers kept for reuse (the fill's piece buffers, the wiped ones). Shared with the pressure watcher
-/// (src/pressure.rs).
+/// cached blocks, then the buffers kept for reuse (the fills' piece buffers, the wiped
+/// ones). Shared with the pressure watcher (src/pressure.rs).
 #[derive(Clone)]
 pub struct Reclaim {
     copies: Arc<dyn Fn(u64) -> u64 + Send + Sync>,
