@@ -19,8 +19,9 @@ const WAIT_BEHIND_MAX: u64 = 64 << 20;
 /// thread of its own in the background (`SCHED_IDLE`): first the files other than shards
 /// (small, and what engines open first: config, tokenizer, index), then each shard in the
 /// order engines load them ([`super::order`]), each followed at once by its fetch ahead
-/// ([`FetchAhead`](super::FetchAhead)), so the first shard is decoded into the kernel while the next is hashed;
-/// a remote shard is stored from the bytes its hash reads, downloaded once.
+/// ([`FetchAhead`](super::FetchAhead)), so the first shard is decoded into the kernel while
+/// the next is hashed; a remote shard is stored from the bytes its hash reads, downloaded
+/// once.
 /// Through FUSE an open of such a file waits for its verdict: hashed ahead, it finds the
 /// verdict in, or its hash under way and urged to the normal policy (a hash one waits for
 /// must not run only on idle cycles). A local file's sealed bytes are then in the page
