@@ -38,7 +38,7 @@ pub struct Args {
     #[arg(long, requires = "status")]
     pub metrics: bool,
     /// kLLM key file (open or passphrase). Default: $KLLM_MODEL_KEY (64 hex digits), then
-    /// <SEALED>/kllm.key, then ~/.kllm/keys/default.key.
+    /// SEALED/kllm.key, then ~/.kllm/keys/default.key.
     #[arg(long, value_name = "FILE")]
     pub key: Option<PathBuf>,
     /// Stay in the foreground (containers, systemd).
@@ -89,7 +89,7 @@ pub struct Args {
     /// file before its first byte is served, `mount` hashes all before the mount answers.
     #[arg(long, value_enum, value_name = "WHEN", default_value_t = Verify::Open)]
     pub verify: Verify,
-    /// Check against this manifest instead of <SEALED>/kllm-manifest.json.
+    /// Check against this manifest instead of SEALED/kllm-manifest.json.
     #[arg(long, value_name = "FILE")]
     pub manifest: Option<PathBuf>,
     /// Refuse to mount unless the manifest's SHA-256 is HEX (a value from a trusted source).
