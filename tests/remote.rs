@@ -53,6 +53,11 @@ fn server_with_fixtures() -> Option<S3Server> {
     Some(server)
 }
 
+/// The URL of `case` as the HTTP source reads it: its files beside a manifest of them.
+fn http_url(server: &S3Server, case: &Case) -> String {
+    server.object_url(BUCKET, &format!("http/{}", case.name))
+}
+
 /// A manifest of `case`'s sealed files (its key left out) in which `wrong` has another
 /// digest, written into `dir`; its path.
 fn manifest_with_wrong_digest(case: &Case, wrong: &str, dir: &Path) -> std::path::PathBuf {
@@ -235,12 +240,12 @@ fn a_verified_passthrough_load_downloads_each_file_once() {
         return;
     };
     let case = case("llm_v2");
-    let url = server.object_url(BUCKET, &format!("http/{}", case.name));
+    let url = http_url(&server, &case);
     let m = Mnt::new();
     mount_remote(&m, &url, &case, &["--mode", "passthrough"]);
     assert_view(&case, &m, "http passthrough, checked", 30);
     let st = status(&m);
-    let n = |k: &str| st[k].as_u64().unwrap_or_else(|| panic!("no {k} in {st}"));
+    let n = |k: &str| count(&st, k);
     let served: u64 = served_files(&case).iter().map(|(_, len)| len).sum();
     assert!(n("verified_files") >= 5, "the shards were checked: {st}");
     assert_eq!(n("failed_files"), 0, "{st}");
@@ -264,7 +269,7 @@ fn a_fuse_mount_under_a_manifest_downloads_a_shard_checked_ahead_once() {
         return;
     };
     let case = case("llm_v2");
-    let url = server.object_url(BUCKET, &format!("http/{}", case.name));
+    let url = http_url(&server, &case);
     let sizes = served_files(&case);
     let shards: u64 = sizes
         .iter()
@@ -278,7 +283,7 @@ fn a_fuse_mount_under_a_manifest_downloads_a_shard_checked_ahead_once() {
         st["failed_files"].as_u64() != Some(0) || st["bytes_stored_ahead"].as_u64() >= Some(shards)
     });
     let st = status(&m);
-    let n = |k: &str| st[k].as_u64().unwrap_or_else(|| panic!("no {k} in {st}"));
+    let n = |k: &str| count(&st, k);
     assert_eq!(n("failed_files"), 0, "{st}");
     // Each file hashed once (the small ones then read again); the shards not fetched again
     // to be stored (hashed, then fetched ahead, they came in twice: 521 against 270 kB).
@@ -295,7 +300,7 @@ fn a_fuse_mount_under_a_manifest_downloads_a_shard_checked_ahead_once() {
         );
     }
     let st = status(&m);
-    let read_shards = st["remote_bytes_fetched"].as_u64().unwrap() - fetched_at_check;
+    let read_shards = count(&st, "remote_bytes_fetched") - fetched_at_check;
     assert!(
         read_shards < shards / 2,
         "the shards ({shards} bytes) fetched again by their reads: {read_shards} bytes: {st}"
@@ -318,7 +323,7 @@ fn a_fuse_mount_under_a_manifest_downloads_a_shard_checked_ahead_once() {
         counter(&m, "bytes_stored_ahead") >= shards
     });
     let st = status(&m);
-    let n = |k: &str| st[k].as_u64().unwrap_or_else(|| panic!("no {k} in {st}"));
+    let n = |k: &str| count(&st, k);
     assert!(
         n("remote_bytes_fetched") < n("verified_bytes") + shards / 2,
         "{} bytes fetched for {shards} bytes of shards: {st}",
@@ -337,7 +342,7 @@ fn every_fixture_over_http_with_a_manifest() {
         return;
     };
     for case in fixture_cases().into_iter().filter(|c| c.ok()) {
-        let url = server.object_url(BUCKET, &format!("http/{}", case.name));
+        let url = http_url(&server, &case);
         for (i, mode) in ["fuse", "passthrough"].iter().enumerate() {
             let m = Mnt::new();
             mount_remote(&m, &url, &case, &["--mode", mode]);
@@ -413,7 +418,7 @@ fn a_fuse_mount_under_a_manifest_says_each_file_is_downloaded_twice() {
         return;
     };
     let case = case("llm_v2");
-    let url = server.object_url(BUCKET, &format!("http/{}", case.name));
+    let url = http_url(&server, &case);
     let said = |args: &[&str]| mount_remote(&Mnt::new(), &url, &case, args);
     let err = said(&["--mode", "fuse", "--no-decode-ahead"]);
     assert!(
@@ -597,7 +602,7 @@ fn faults_give_exact_bytes_or_eio() {
     // `--status` counts what the source was asked: every part of the three shards at least
     // once, and for each fault another GET of its part, or that part given up.
     let st = status(&m);
-    let n = |k: &str| st[k].as_u64().unwrap_or_else(|| panic!("no {k} in {st}"));
+    let n = |k: &str| count(&st, k);
     let sealed: Vec<u64> = (1..=3)
         .map(|i| fs::metadata(w.case.sealed().join(shard(i))).unwrap().len())
         .collect();
@@ -1066,7 +1071,7 @@ fn a_mount_reads_only_the_headers_of_its_shards() {
         .args(["--mode", "fuse", "--no-decode-ahead"]);
     m.mount(c);
     let st = status(&m);
-    let fetched = st["remote_bytes_fetched"].as_u64().unwrap();
+    let fetched = count(&st, "remote_bytes_fetched");
     let bound = others + prefix * shards.len() as u64;
     assert!(
         fetched <= bound,
@@ -1164,7 +1169,7 @@ fn fuse_mode_fetches_the_shards_ahead_of_their_first_open() {
         let parts = 4 * a.shards.len() as u64;
         let off: &[&str] = if ahead { &[] } else { &["--no-decode-ahead"] };
         let m = a.mount_fuse(&server, parts, off);
-        let n = |name: &str| status(&m)[name].as_u64().unwrap();
+        let n = |name: &str| counter(&m, name);
         if ahead {
             wait_for(30, "every shard decoded ahead", || {
                 n("bytes_stored_ahead") == a.decoded
@@ -1199,7 +1204,7 @@ fn fuse_mode_fetch_ahead_stores_more_shards_than_its_memory_holds() {
     let a = AheadSample::put(&server, [7; 32], "tight");
     // Half of it is kept for reading ahead: one part.
     let m = a.mount_fuse(&server, 2, &[]);
-    let n = |name: &str| status(&m)[name].as_u64().unwrap();
+    let n = |name: &str| counter(&m, name);
     wait_for(30, "every shard decoded ahead", || {
         n("bytes_stored_ahead") == a.decoded
     });

@@ -60,10 +60,14 @@ pub fn status(m: &Mnt) -> Value {
 
 /// The counter `name` of the status object.
 pub fn counter(m: &Mnt, name: &str) -> u64 {
-    let v = status(m);
-    v[name]
+    count(&status(m), name)
+}
+
+/// The counter `name` of status object `st`; fails showing `st` where it has none.
+pub fn count(st: &Value, name: &str) -> u64 {
+    st[name]
         .as_u64()
-        .unwrap_or_else(|| panic!("no counter {name} in {v}"))
+        .unwrap_or_else(|| panic!("no counter {name} in {st}"))
 }
 
 /// `n` processes comparing `path` with `want` (`cmp`) side by side; whether every one found
