@@ -370,9 +370,9 @@ mod tests {
                         shift_mod::<u64, false>(locked as u64, off as u64, span as u64),
                         idx as u64
                     );
-                    let (i16, o16, s16) = (idx as u16, off as u16, span as u16);
-                    assert_eq!(shift_mod::<u16, true>(i16, o16, s16), locked as u16);
-                    assert_eq!(shift_mod::<u16, false>(locked as u16, o16, s16), i16);
+                    let (idx16, off16, span16) = (idx as u16, off as u16, span as u16);
+                    assert_eq!(shift_mod::<u16, true>(idx16, off16, span16), locked as u16);
+                    assert_eq!(shift_mod::<u16, false>(locked as u16, off16, span16), idx16);
                 }
             }
         }
