@@ -3,7 +3,7 @@
 //!
 //! Background is `SCHED_IDLE` rather than nice 19: a nice 19 thread still takes a share of
 //! a busy core, and an engine importing beside decode ahead on two cores took 1.09x its
-//! time alone at nice 19, 1.04x under `SCHED_IDLE` (docs/PERFORMANCE.md, "Engines"). Where a
+//! time alone at nice 19, 1.04x under `SCHED_IDLE` (docs/PERFORMANCE-LOG.md, "Engines"). Where a
 //! thread may not leave `SCHED_IDLE` again, nice 19. A failure costs speed, not correctness.
 
 use std::sync::OnceLock;

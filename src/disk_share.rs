@@ -15,7 +15,7 @@ use std::time::{Duration, Instant};
 /// Before each piece, a reader nobody waits for waits while others keep reading the disk,
 /// looking again after each pause: an engine importing pages its libraries in by bursts of
 /// reads between stretches of work, and a piece read in those stretches delays none of them
-/// (docs/PERFORMANCE.md, "Changed: decode ahead waits for a quiet disk").
+/// (docs/PERFORMANCE-LOG.md, "Changed: decode ahead waits for a quiet disk").
 pub const YIELD_PAUSE: Duration = Duration::from_millis(10);
 /// The longest wait before a piece: a disk that others never leave still gives the reader a
 /// piece this often, and two daemons reading ahead on one disk do not stop each other.

@@ -15,7 +15,7 @@
 //! costs 2-3 s per GiB to touch, while the smaller free blocks are never reported, and the
 //! sealed file's page cache, which a fill lets go chunk by chunk, comes back as folios of
 //! 128 KiB and more. Memory no one waits for yet comes in 1 MiB folios, leaving those to
-//! the processes that wait (docs/PERFORMANCE.md, "Fresh memory on this VM"), and in 2 MiB
+//! the processes that wait (docs/PERFORMANCE-LOG.md, "Fresh memory on this VM"), and in 2 MiB
 //! folios where its sealed bytes are in the page cache: made of the reported blocks, it
 //! leaves the memory the host still backs to what the engine allocates after its load.
 

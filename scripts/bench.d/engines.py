@@ -42,7 +42,7 @@ def venv_python(name="venv"):
 
 VLLM_WEIGHTS = re.compile(r"Loading weights took ([0-9.]+) seconds")
 # The engine's start after the weights: a profile run and the KV cache's first touch, where
-# this VM's fresh memory shows (docs/PERFORMANCE.md, "Engines").
+# this VM's fresh memory shows (docs/PERFORMANCE-LOG.md, "Engines").
 VLLM_INIT = re.compile(r"init engine \(profile, create kv cache, warmup model\) took ([0-9.]+) s")
 
 

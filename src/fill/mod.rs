@@ -48,7 +48,7 @@ use sealed_reader::SealedReader;
 pub const CHUNK: u64 = 8 << 20;
 /// The most a fill decoding ahead asks at once of a disk that others read. An engine
 /// importing beside it pages its libraries in with small reads, and each waits behind what
-/// the device is already reading (docs/PERFORMANCE.md, "Engines"). Alone on the disk, the
+/// the device is already reading (docs/PERFORMANCE-LOG.md, "Engines"). Alone on the disk, the
 /// fill reads whole chunks: 1 MiB reads one at a time fill slower.
 pub(crate) const BACKGROUND_PIECE: usize = 1 << 20;
 /// How far ahead of the decoder the sealed bytes are asked for.
@@ -61,7 +61,7 @@ const PREFETCH_STEP: u64 = 16 << 20;
 const FIRST_FETCHES: usize = 4;
 /// Chunk fetches in flight for a local file: the disk's next chunks read while the cores
 /// unlock the ones before, so neither waits on the other chunk by chunk
-/// (docs/PERFORMANCE.md, "True cold: the sealed read, then the decode").
+/// (docs/PERFORMANCE-LOG.md, "True cold: the sealed read, then the decode").
 const LOCAL_FETCH_AHEAD: usize = 4;
 /// Chunk fetches in flight while a local file decodes ahead: the chunk unlocked and the next
 /// one, as a fill of one fetch at a time has them.
@@ -946,7 +946,7 @@ impl Inner {
                 // task of its own, so this thread goes on to hash the chunks after it. The
                 // hash, one stream in file order, then runs without a pause on its own core
                 // while the unlocks share the rest, where hashing the next chunk beside
-                // each unlock held the two in step (docs/PERFORMANCE.md, "Checked loads").
+                // each unlock held the two in step (docs/PERFORMANCE-LOG.md, "Checked loads").
                 let most = if self.digest.lock().is_some() {
                     UNLOCKS_BEHIND_HASH
                 } else {
@@ -1010,7 +1010,7 @@ impl Inner {
     /// thread of the pool). A chunk cut in halves across the cores waits for its slower
     /// half, which shares a core with the reader's FUSE replies and the fetches: the other
     /// core idles at that barrier, 15-20% of a read at once. As tasks a core that ends its
-    /// chunk takes the next one, or a piece of one still running (docs/PERFORMANCE.md, "The
+    /// chunk takes the next one, or a piece of one still running (docs/PERFORMANCE-LOG.md, "The
     /// decode on two cores").
     fn unlock_beside(
         self: &Arc<Self>,
@@ -1124,7 +1124,7 @@ impl Inner {
     /// priority: the hash goes on while the unlocks, at most `UNLOCKS_BEHIND_HASH` behind
     /// it, take what is left of the cores. Run at a lower priority, as they were, they
     /// gained nothing on an idle machine and lost to any busy process beside
-    /// (docs/PERFORMANCE.md, "Checked loads").
+    /// (docs/PERFORMANCE-LOG.md, "Checked loads").
     fn unlock_pool(&self, priority: Priority) -> Option<&'static rayon::ThreadPool> {
         match priority {
             Priority::Ahead => ahead_pool(),
@@ -1167,7 +1167,7 @@ impl Inner {
     /// into the file. Brought into place and unlocked there instead, the copy's fresh pages
     /// are cleared by the kernel as they are first touched, then written with the sealed
     /// bytes, then read and written again by the unlock; a write fills them once
-    /// (docs/PERFORMANCE.md, "Files in the page cache: decoded, then written").
+    /// (docs/PERFORMANCE-LOG.md, "Files in the page cache: decoded, then written").
     fn write_decoded(
         &self,
         pool: Option<&rayon::ThreadPool>,
