@@ -1144,7 +1144,7 @@ impl AheadSample {
     /// Every shard read through `m`, byte-exact: the GETs sent and the bytes served by the
     /// daemon meanwhile.
     fn read_shards(&self, m: &Mnt, label: &str) -> (u64, u64) {
-        let n = |name: &str| status(m)[name].as_u64().unwrap();
+        let n = |name: &str| counter(m, name);
         let (gets, served) = (n("remote_gets"), n("bytes_served"));
         for (rel, _) in &self.shards {
             let got = fs::read(m.path(rel)).unwrap();
