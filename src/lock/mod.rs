@@ -15,6 +15,8 @@
 mod arith;
 mod codec;
 pub mod document;
+#[cfg(target_arch = "x86_64")]
+mod fused;
 mod lanes;
 pub mod stream;
 #[cfg(target_arch = "x86_64")]
@@ -81,6 +83,9 @@ pub struct TensorLock {
     decode_kernel: BatchFn,
     #[cfg(feature = "seal")]
     encode_kernel: BatchFn,
+    /// Lock v2 16-bit floats on an AVX-512 CPU: unlocked as their stream is made
+    /// (`fused`), but for a head and tail of less than a group.
+    fused: bool,
 }
 
 /// The id a tensor's key stream is derived from: its name, scoped by the shard's directory.
@@ -119,6 +124,10 @@ impl TensorLock {
             decode_kernel: isa.select::<false>(codec, span, wide),
             #[cfg(feature = "seal")]
             encode_kernel: isa.select::<true>(codec, span, wide),
+            fused: version == Version::V2
+                && matches!(codec, Codec::Float { bits: 16, .. })
+                && span < 1 << 16
+                && fused_available(),
         }
     }
 
@@ -132,7 +141,55 @@ impl TensorLock {
 
     /// Unlock whole units in place: `buf` holds units `[first_unit, ...)` of the tensor.
     pub fn decode(&self, first_unit: u64, buf: &mut [u8]) -> Result<(), OutOfDomain> {
+        #[cfg(target_arch = "x86_64")]
+        if self.fused {
+            return self.decode_fused(first_unit, buf);
+        }
         self.shift(self.decode_kernel, first_unit, buf)
+    }
+
+    /// [`TensorLock::decode`] by the general path whatever the codec and CPU: the key stream
+    /// made into a buffer a batch at a time, then applied (the decode benchmark compares it
+    /// with the fused kernel).
+    pub fn decode_through_stream_buffer(
+        &self,
+        first_unit: u64,
+        buf: &mut [u8],
+    ) -> Result<(), OutOfDomain> {
+        self.shift(self.decode_kernel, first_unit, buf)
+    }
+
+    /// [`TensorLock::decode`] of 16-bit codes by whole groups of the fused kernel, the
+    /// codes before the first group and after the last by the general path.
+    #[cfg(target_arch = "x86_64")]
+    fn decode_fused(&self, first_unit: u64, buf: &mut [u8]) -> Result<(), OutOfDomain> {
+        const UNIT: usize = 2;
+        assert_eq!(buf.len() % UNIT, 0, "whole units only");
+        let units = (buf.len() / UNIT) as u64;
+        let head = ((fused::GROUP_CODES - first_unit % fused::GROUP_CODES) % fused::GROUP_CODES)
+            .min(units);
+        let groups = (units - head) / fused::GROUP_CODES * fused::GROUP_CODES;
+        let (head_bytes, rest) = buf.split_at_mut(head as usize * UNIT);
+        let (middle, tail) = rest.split_at_mut(groups as usize * UNIT);
+        self.shift(self.decode_kernel, first_unit, head_bytes)?;
+        let start = first_unit + head;
+        // SAFETY: `fused` is set only where `fused::available()` found AVX-512 F and BW;
+        // `start` is a multiple of the group and `middle` whole groups; `span = 2m < 2^16`.
+        let outside = unsafe {
+            fused::unlock_groups(
+                self.stream_key.bytes(),
+                start,
+                self.m as u16,
+                self.span as u16,
+                middle,
+            )
+        };
+        if let Some(i) = outside {
+            return Err(OutOfDomain {
+                unit: start + i as u64,
+            });
+        }
+        self.shift(self.decode_kernel, start + groups, tail)
     }
 
     /// Lock whole units in place (the test sealer's side).
@@ -198,6 +255,19 @@ impl TensorLock {
     }
 }
 
+/// Whether this CPU runs the fused kernel, asked once.
+fn fused_available() -> bool {
+    #[cfg(target_arch = "x86_64")]
+    {
+        static AVAILABLE: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+        *AVAILABLE.get_or_init(fused::available)
+    }
+    #[cfg(not(target_arch = "x86_64"))]
+    {
+        false
+    }
+}
+
 thread_local! {
     /// One batch of key stream per thread, reused across calls.
     static KEYSTREAM: std::cell::RefCell<Vec<u8>> = const { std::cell::RefCell::new(Vec::new()) };
@@ -206,6 +276,68 @@ thread_local! {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// The fused kernel gives the general path's bytes at any start, length and domain,
+    /// and names the same first code outside the domain.
+    #[cfg(target_arch = "x86_64")]
+    #[test]
+    fn fused_16_bit_floats_equal_the_general_path() {
+        if !fused_available() {
+            eprintln!("no AVX-512 F and BW here: the fused kernel is not built for this CPU");
+            return;
+        }
+        let key = ModelKey::new([9; 32]);
+        let mut rng = crate::testkit::SplitMix(21);
+        for dtype in [safetensors::Dtype::BF16, safetensors::Dtype::F16] {
+            let codec = Codec::float(dtype).expect("16-bit codec");
+            let top = match codec {
+                Codec::Float { top, .. } => top + 1,
+                _ => unreachable!(),
+            };
+            for round in 0..60 {
+                let m = match round % 4 {
+                    0 => 0x4000,
+                    1 => top,
+                    2 => 0x80 * (1 + rng.below(top / 0x80)),
+                    _ => 1 + rng.below(top),
+                };
+                if !codec.valid_domain(m) {
+                    continue;
+                }
+                let lock = TensorLock::new(&key, Version::V2, codec, m, "layers.0.w");
+                assert!(lock.fused, "m {m:#x}: the fused kernel was not chosen");
+                let first = match round % 3 {
+                    0 => rng.below(4) * 256,
+                    1 => rng.below(1 << 20),
+                    _ => (1u64 << 36) - 5000 + rng.below(1000),
+                };
+                let units = rng.below(3000) as usize;
+                let mut sealed = vec![0u8; 2 * units];
+                for v in sealed.chunks_exact_mut(2) {
+                    let code = rng.below(m) | (rng.below(2) << 15);
+                    v.copy_from_slice(&(code as u16).to_le_bytes());
+                }
+                let mut general = sealed.clone();
+                lock.decode_through_stream_buffer(first, &mut general)
+                    .expect("in the domain");
+                let mut fused = sealed.clone();
+                lock.decode(first, &mut fused).expect("in the domain");
+                assert!(
+                    fused == general,
+                    "{dtype:?} m {m:#x} from {first}: bytes differ"
+                );
+                if units > 0 {
+                    let bad = rng.below(units as u64) as usize;
+                    let code = (m + rng.below(0x8000 - m)) | (rng.below(2) << 15);
+                    sealed[2 * bad..2 * bad + 2].copy_from_slice(&(code as u16).to_le_bytes());
+                    let err = lock
+                        .decode(first, &mut sealed.clone())
+                        .expect_err("outside");
+                    assert_eq!(err.unit, first + bad as u64, "{dtype:?} m {m:#x}");
+                }
+            }
+        }
+    }
 
     /// Any split of a tensor into decode calls gives the bytes of one call over all of it:
     /// the batches (which end on multiples of the batch in the tensor) and the stream
