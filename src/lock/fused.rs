@@ -1,13 +1,13 @@
-//! Lock v2's 16-bit floats (BF16, F16) unlocked as their ChaCha20 blocks are made, on
-//! AVX-512: the key stream never leaves the registers.
+//! Lock v2's narrow codes of 8 and 16 bits (BF16, F16, FP8 floats, E8M0 scales) unlocked as
+//! their ChaCha20 blocks are made, on AVX-512: the key stream never leaves the registers.
 //!
-//! Why: these are most of a checkpoint's bytes, and each plain byte takes two bytes of key
-//! stream. The general path writes the stream to a buffer (the cipher's last step there is a
-//! 16 x 16 transpose of 32-bit words), then reads it back, splits each word into 16-bit
-//! halves and unlocks. Here the 16 blocks' words stay one state word per vector (lane `b`
-//! holds word `i` of block `b`, as OpenSSL's 16-block path keeps them), each word becomes its
-//! 16-bit offset in place, and only the offsets, two to a 32-bit lane, are transposed into
-//! the codes' order: an 8 x 16 transpose instead of 16 x 16, and no stream in memory.
+//! Why: these are most of a checkpoint's bytes, and each plain byte takes two (16-bit codes)
+//! or four (8-bit) bytes of key stream. The general path writes the stream to a buffer (the
+//! cipher's last step there is a 16 x 16 transpose of 32-bit words), then reads it back and
+//! unlocks. Here the 16 blocks' words stay one state word per vector (lane `b` holds word `i`
+//! of block `b`, as OpenSSL's 16-block path keeps them), each word becomes its offset in
+//! place, and only the offsets, two or four to a 32-bit lane, are transposed into the codes'
+//! order: an 8 x 16 or 4 x 16 transpose instead of 16 x 16, and no stream in memory.
 //!
 //! The arithmetic is `arith`'s: code `j` of the tensor takes stream word `j` (word `j % 16` of
 //! block `j / 16`), `off = (word * span) >> 32`, `plain = (index - off) mod span`. The tests
@@ -19,7 +19,26 @@ use zeroize::Zeroize;
 
 /// Codes per group: 16 blocks of 16 words, one word a code.
 pub(super) const GROUP_CODES: u64 = 256;
-const GROUP_BYTES: usize = 2 * GROUP_CODES as usize;
+
+/// The codes the kernel unlocks.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(super) enum Codes {
+    /// 16-bit sign-magnitude floats (BF16, F16): `span = 2m`.
+    Float16,
+    /// 8-bit sign-magnitude floats (F8_E4M3, F8_E5M2): `span = 2m`.
+    Float8,
+    /// Unsigned bytes (E8M0 scales): `span = m`, at most 256.
+    Unsigned8,
+}
+
+impl Codes {
+    pub(super) fn bytes(self) -> usize {
+        match self {
+            Codes::Float16 => 2,
+            Codes::Float8 | Codes::Unsigned8 => 1,
+        }
+    }
+}
 
 /// Whether this CPU runs the kernel.
 pub(super) fn available() -> bool {
@@ -27,59 +46,112 @@ pub(super) fn available() -> bool {
         && std::arch::is_x86_feature_detected!("avx512bw")
 }
 
-/// Unlocks `data`, whole groups of 16-bit sign-magnitude codes of one tensor, the first of
-/// them code `first_code` (a multiple of [`GROUP_CODES`]), under the ChaCha20 key `key`,
-/// domain `m` and `span = 2m < 2^16`. Returns the first code outside the domain, counted
-/// from the start of `data`; the groups before it are unlocked, the rest left as they were
-/// (a caller drops the bytes on an error).
+/// Unlocks `data`, whole groups of one tensor's `codes`, the first of them code
+/// `first_code` (a multiple of [`GROUP_CODES`]), under the ChaCha20 key `key` and domain `m`
+/// (`span` as `codes` sets it, below 2^16 for 16-bit codes). Returns the first code outside
+/// the domain, counted from the start of `data`; the groups before it are unlocked, the rest
+/// left as they were (a caller drops the bytes on an error).
 ///
 /// # Safety
 /// The CPU must have AVX-512 F and BW ([`available`]).
 #[target_feature(enable = "avx512f,avx512bw")]
 pub(super) unsafe fn unlock_groups(
+    codes: Codes,
     key: &[u8; 32],
     first_code: u64,
-    m: u16,
-    span: u16,
+    m: u64,
     data: &mut [u8],
 ) -> Option<usize> {
     debug_assert_eq!(first_code % GROUP_CODES, 0);
-    debug_assert_eq!(data.len() % GROUP_BYTES, 0);
-    debug_assert!(u32::from(m) * 2 == u32::from(span));
+    debug_assert_eq!(data.len() % (GROUP_CODES as usize * codes.bytes()), 0);
     let mut key_words = [0i32; 8];
     for (w, b) in key_words.iter_mut().zip(key.chunks_exact(4)) {
         *w = i32::from_le_bytes(b.try_into().expect("4 bytes"));
     }
     let mut key_vectors: [__m512i; 8] = std::array::from_fn(|i| _mm512_set1_epi32(key_words[i]));
     key_words.zeroize();
-    let outside = unlock_with(&key_vectors, first_code, m, span, data);
+    let stream = Stream {
+        key: &key_vectors,
+        block: first_code / 16,
+    };
+    let outside = match codes {
+        Codes::Float16 => {
+            debug_assert!(2 * m < 1 << 16);
+            unlock_16(stream, m as u16, data)
+        }
+        Codes::Float8 => {
+            debug_assert!(2 * m <= 1 << 8);
+            unlock_8::<true>(stream, m as u16, data)
+        }
+        Codes::Unsigned8 => {
+            debug_assert!(m <= 1 << 8);
+            unlock_8::<false>(stream, m as u16, data)
+        }
+    };
     key_vectors.zeroize();
     outside
 }
 
+/// The key stream of one tensor from a block on, 16 blocks (256 words) a step.
+struct Stream<'a> {
+    key: &'a [__m512i; 8],
+    block: u64,
+}
+
+impl Stream<'_> {
+    /// The next 16 blocks' words, vector `i` lane `b` word `i` of block `b`: the word of
+    /// code `16b + i` of the step.
+    #[inline]
+    #[target_feature(enable = "avx512f")]
+    fn next_words(&mut self) -> [__m512i; 16] {
+        let lanes = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+        // The shard's validation keeps every stream within the 32-bit block counter.
+        let counter = _mm512_add_epi32(_mm512_set1_epi32(self.block as u32 as i32), lanes);
+        self.block += 16;
+        chacha20_words(self.key, counter)
+    }
+}
+
+/// The first code of `group` (codes of `W` bytes) whose magnitude (or value) is `m` or more.
+fn first_outside<const W: usize>(group: &[u8], m: u16, signed: bool) -> usize {
+    let mask = if signed {
+        (1u16 << (8 * W - 1)) - 1
+    } else {
+        u16::MAX
+    };
+    // The group's largest magnitude was found at or above `m`, so `position` finds it.
+    group
+        .chunks_exact(W)
+        .position(|v| {
+            let code = if W == 2 {
+                u16::from_le_bytes([v[0], v[1]])
+            } else {
+                u16::from(v[0])
+            };
+            code & mask >= m
+        })
+        .unwrap_or(0)
+}
+
+/// 16-bit sign-magnitude codes, 256 a group (8 vectors of 32).
 #[inline]
 #[target_feature(enable = "avx512f,avx512bw")]
-fn unlock_with(
-    key_vectors: &[__m512i; 8],
-    first_code: u64,
-    m: u16,
-    span: u16,
-    data: &mut [u8],
-) -> Option<usize> {
-    let lanes = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+fn unlock_16(mut stream: Stream<'_>, m: u16, data: &mut [u8]) -> Option<usize> {
+    let span = 2 * m;
     let m_v = _mm512_set1_epi16(m as i16);
     let span_v = _mm512_set1_epi16(span as i16);
+    let span_words = _mm512_set1_epi32(i32::from(span));
     let magnitude = _mm512_set1_epi16(0x7FFF);
     let to_negative = _mm512_set1_epi16(0x8000u16.wrapping_sub(m) as i16);
-    let span_words = _mm512_set1_epi32(i32::from(span));
-    let mut block = first_code / 16;
-    for (g, group) in data.chunks_exact_mut(GROUP_BYTES).enumerate() {
-        // The shard's validation keeps every stream within the 32-bit block counter.
-        let counter = _mm512_add_epi32(_mm512_set1_epi32(block as u32 as i32), lanes);
-        let words = chacha20_words(key_vectors, counter);
-        let offsets = transpose_offsets(std::array::from_fn(|p| {
-            pair_offsets(words[2 * p], words[2 * p + 1], span_words)
-        }));
+    for (g, group) in data.chunks_exact_mut(2 * GROUP_CODES as usize).enumerate() {
+        let words = stream.next_words();
+        let off = |i: usize| offsets(words[i], span_words);
+        // Lane b of pair p: the offsets of codes 16b + 2p and 16b + 2p + 1, as they sit in
+        // memory.
+        let pairs: [__m512i; 8] = std::array::from_fn(|p| {
+            _mm512_or_si512(off(2 * p), _mm512_slli_epi32::<16>(off(2 * p + 1)))
+        });
+        let offsets = transpose_pairs(pairs);
         // Every code of the group checked before any changes: one comparison a group.
         let mut largest = _mm512_setzero_si512();
         for codes in group.chunks_exact(64) {
@@ -88,12 +160,7 @@ fn unlock_with(
             largest = _mm512_max_epu16(largest, _mm512_and_si512(code, magnitude));
         }
         if _mm512_cmpge_epu16_mask(largest, m_v) != 0 {
-            // The largest magnitude is one of the group's, so `position` finds it.
-            let first = group
-                .chunks_exact(2)
-                .position(|v| u16::from_le_bytes([v[0], v[1]]) & 0x7FFF >= m)
-                .unwrap_or(0);
-            return Some(g * GROUP_CODES as usize + first);
+            return Some(g * GROUP_CODES as usize + first_outside::<2>(group, m, true));
         }
         for (off, codes) in offsets.into_iter().zip(group.chunks_exact_mut(64)) {
             let at = codes.as_mut_ptr() as *mut __m512i;
@@ -110,7 +177,68 @@ fn unlock_with(
             // SAFETY: as the load.
             unsafe { _mm512_storeu_si512(at, out) };
         }
-        block += 16;
+    }
+    None
+}
+
+/// 8-bit codes, 256 a group (4 vectors of 64): sign-magnitude floats when `SIGNED`
+/// (`span = 2m`), else unsigned values (`span = m`; a span of 256 is 0 in a byte, and adding
+/// it changes nothing, as a shift modulo 256 needs).
+#[inline]
+#[target_feature(enable = "avx512f,avx512bw")]
+fn unlock_8<const SIGNED: bool>(mut stream: Stream<'_>, m: u16, data: &mut [u8]) -> Option<usize> {
+    let span = if SIGNED { 2 * m } else { m };
+    let m_v = _mm512_set1_epi8(m as u8 as i8);
+    let largest_allowed = _mm512_set1_epi8((m - 1) as u8 as i8);
+    let span_v = _mm512_set1_epi8(span as u8 as i8);
+    let span_words = _mm512_set1_epi32(i32::from(span));
+    let magnitude = _mm512_set1_epi8(if SIGNED { 0x7F } else { -1 });
+    let to_negative = _mm512_set1_epi8(0x80u8.wrapping_sub(m as u8) as i8);
+    for (g, group) in data.chunks_exact_mut(GROUP_CODES as usize).enumerate() {
+        let words = stream.next_words();
+        let off = |i: usize| offsets(words[i], span_words);
+        // Lane b of quad p: the offsets of codes 16b + 4p .. 16b + 4p + 4, as they sit in
+        // memory.
+        let quads: [__m512i; 4] = std::array::from_fn(|p| {
+            let low = _mm512_or_si512(off(4 * p), _mm512_slli_epi32::<8>(off(4 * p + 1)));
+            let high = _mm512_or_si512(
+                _mm512_slli_epi32::<16>(off(4 * p + 2)),
+                _mm512_slli_epi32::<24>(off(4 * p + 3)),
+            );
+            _mm512_or_si512(low, high)
+        });
+        let offsets = transpose_quads(quads);
+        let mut largest = _mm512_setzero_si512();
+        for codes in group.chunks_exact(64) {
+            // SAFETY: `codes` holds the 64 bytes read; unaligned access.
+            let code = unsafe { _mm512_loadu_si512(codes.as_ptr() as *const __m512i) };
+            largest = _mm512_max_epu8(largest, _mm512_and_si512(code, magnitude));
+        }
+        if _mm512_cmpgt_epu8_mask(largest, largest_allowed) != 0 {
+            return Some(g * GROUP_CODES as usize + first_outside::<1>(group, m, SIGNED));
+        }
+        for (off, codes) in offsets.into_iter().zip(group.chunks_exact_mut(64)) {
+            let at = codes.as_mut_ptr() as *mut __m512i;
+            // SAFETY: `codes` holds the 64 bytes read and written; unaligned access.
+            let code = unsafe { _mm512_loadu_si512(at) };
+            let index = if SIGNED {
+                let mag = _mm512_and_si512(code, magnitude);
+                _mm512_mask_add_epi8(mag, _mm512_movepi8_mask(code), mag, m_v)
+            } else {
+                code
+            };
+            let diff = _mm512_sub_epi8(index, off);
+            let borrow = _mm512_cmplt_epu8_mask(index, off);
+            let plain = _mm512_mask_add_epi8(diff, borrow, diff, span_v);
+            let out = if SIGNED {
+                let high = _mm512_cmpge_epu8_mask(plain, m_v);
+                _mm512_mask_add_epi8(plain, high, plain, to_negative)
+            } else {
+                plain
+            };
+            // SAFETY: as the load.
+            unsafe { _mm512_storeu_si512(at, out) };
+        }
     }
     None
 }
@@ -167,18 +295,6 @@ fn chacha20_words(key: &[__m512i; 8], counter: __m512i) -> [__m512i; 16] {
     std::array::from_fn(|i| _mm512_add_epi32(x[i], input[i]))
 }
 
-/// The offsets of two stream words per lane (`even` word `2p`, `odd` word `2p + 1` of each
-/// block) as the two 16-bit halves of one 32-bit lane: codes `16b + 2p` and `16b + 2p + 1`,
-/// in the order they sit in memory.
-#[inline]
-#[target_feature(enable = "avx512f")]
-fn pair_offsets(even: __m512i, odd: __m512i, span: __m512i) -> __m512i {
-    _mm512_or_si512(
-        offsets(even, span),
-        _mm512_slli_epi32::<16>(offsets(odd, span)),
-    )
-}
-
 /// `(word * span) >> 32` of each 32-bit word (below 2^16, as `span` is), by 32 x 32-bit
 /// products of the even words and of the odd ones. 16-bit products of the words' halves
 /// need a carry fixed by a mask: the decode ran at 2.13 GB/s with them, 2.49 with these.
@@ -190,11 +306,11 @@ fn offsets(word: __m512i, span: __m512i) -> __m512i {
     _mm512_mask_blend_epi32(0xAAAA, _mm512_srli_epi64::<32>(even), odd)
 }
 
-/// From `pairs[p]` (lane `b`: the offsets of codes `16b + 2p`, `16b + 2p + 1`) to the offsets
-/// of codes `32k .. 32k + 32` in vector `k`, as the codes sit in memory.
+/// From `pairs[p]` (lane `b`: the 16-bit offsets of codes `16b + 2p`, `16b + 2p + 1`) to the
+/// offsets of codes `32k .. 32k + 32` in vector `k`, as the codes sit in memory.
 #[inline]
 #[target_feature(enable = "avx512f")]
-fn transpose_offsets(pairs: [__m512i; 8]) -> [__m512i; 8] {
+fn transpose_pairs(pairs: [__m512i; 8]) -> [__m512i; 8] {
     let p = pairs;
     // Within each 128-bit lane (blocks 4q .. 4q + 4): t[2r] and t[2r + 1] interleave pairs
     // 2r and 2r + 1.
@@ -221,22 +337,48 @@ fn transpose_offsets(pairs: [__m512i; 8]) -> [__m512i; 8] {
     ];
     // Vector k = 2q + s holds blocks 4q + 2s and 4q + 2s + 1: lanes q of u[2s], u[4 + 2s],
     // u[2s + 1], u[5 + 2s]. A 4 x 4 transpose of 128-bit lanes for each s.
-    let lanes4 = |a: __m512i, b: __m512i, c: __m512i, d: __m512i| -> [__m512i; 4] {
-        // ab: lanes a0 a1 b0 b1 / a2 a3 b2 b3; then pick lanes across.
-        let ab_lo = _mm512_shuffle_i32x4::<0b01_00_01_00>(a, b);
-        let ab_hi = _mm512_shuffle_i32x4::<0b11_10_11_10>(a, b);
-        let cd_lo = _mm512_shuffle_i32x4::<0b01_00_01_00>(c, d);
-        let cd_hi = _mm512_shuffle_i32x4::<0b11_10_11_10>(c, d);
-        [
-            _mm512_shuffle_i32x4::<0b10_00_10_00>(ab_lo, cd_lo),
-            _mm512_shuffle_i32x4::<0b11_01_11_01>(ab_lo, cd_lo),
-            _mm512_shuffle_i32x4::<0b10_00_10_00>(ab_hi, cd_hi),
-            _mm512_shuffle_i32x4::<0b11_01_11_01>(ab_hi, cd_hi),
-        ]
-    };
-    let even = lanes4(u[0], u[4], u[1], u[5]);
-    let odd = lanes4(u[2], u[6], u[3], u[7]);
+    let even = transpose_lanes(u[0], u[4], u[1], u[5]);
+    let odd = transpose_lanes(u[2], u[6], u[3], u[7]);
     [
         even[0], odd[0], even[1], odd[1], even[2], odd[2], even[3], odd[3],
+    ]
+}
+
+/// From `quads[p]` (lane `b`: the 8-bit offsets of codes `16b + 4p .. 16b + 4p + 4`) to the
+/// offsets of codes `64k .. 64k + 64` in vector `k`, as the codes sit in memory.
+#[inline]
+#[target_feature(enable = "avx512f")]
+fn transpose_quads(quads: [__m512i; 4]) -> [__m512i; 4] {
+    let q = quads;
+    let t = [
+        _mm512_unpacklo_epi32(q[0], q[1]),
+        _mm512_unpackhi_epi32(q[0], q[1]),
+        _mm512_unpacklo_epi32(q[2], q[3]),
+        _mm512_unpackhi_epi32(q[2], q[3]),
+    ];
+    // u[r]: quads 0..4 of block 4q + r in lane q; vector k is lane k of u[0..4].
+    transpose_lanes(
+        _mm512_unpacklo_epi64(t[0], t[2]),
+        _mm512_unpackhi_epi64(t[0], t[2]),
+        _mm512_unpacklo_epi64(t[1], t[3]),
+        _mm512_unpackhi_epi64(t[1], t[3]),
+    )
+}
+
+/// A 4 x 4 transpose of 128-bit lanes: vector `q` of the result holds lane `q` of `a`, `b`,
+/// `c` and `d`, in that order.
+#[inline]
+#[target_feature(enable = "avx512f")]
+fn transpose_lanes(a: __m512i, b: __m512i, c: __m512i, d: __m512i) -> [__m512i; 4] {
+    // Lanes a0 a1 b0 b1, a2 a3 b2 b3, then the same of c and d.
+    let ab_lo = _mm512_shuffle_i32x4::<0b01_00_01_00>(a, b);
+    let ab_hi = _mm512_shuffle_i32x4::<0b11_10_11_10>(a, b);
+    let cd_lo = _mm512_shuffle_i32x4::<0b01_00_01_00>(c, d);
+    let cd_hi = _mm512_shuffle_i32x4::<0b11_10_11_10>(c, d);
+    [
+        _mm512_shuffle_i32x4::<0b10_00_10_00>(ab_lo, cd_lo),
+        _mm512_shuffle_i32x4::<0b11_01_11_01>(ab_lo, cd_lo),
+        _mm512_shuffle_i32x4::<0b10_00_10_00>(ab_hi, cd_hi),
+        _mm512_shuffle_i32x4::<0b11_01_11_01>(ab_hi, cd_hi),
     ]
 }

@@ -83,9 +83,10 @@ pub struct TensorLock {
     decode_kernel: BatchFn,
     #[cfg(feature = "seal")]
     encode_kernel: BatchFn,
-    /// Lock v2 16-bit floats on an AVX-512 CPU: unlocked as their stream is made
+    /// Lock v2's 8- and 16-bit codes on an AVX-512 CPU: unlocked as their stream is made
     /// (`fused`), but for a head and tail of less than a group.
-    fused: bool,
+    #[cfg(target_arch = "x86_64")]
+    fused: Option<fused::Codes>,
 }
 
 /// The id a tensor's key stream is derived from: its name, scoped by the shard's directory.
@@ -124,10 +125,8 @@ impl TensorLock {
             decode_kernel: isa.select::<false>(codec, span, wide),
             #[cfg(feature = "seal")]
             encode_kernel: isa.select::<true>(codec, span, wide),
-            fused: version == Version::V2
-                && matches!(codec, Codec::Float { bits: 16, .. })
-                && span < 1 << 16
-                && fused_available(),
+            #[cfg(target_arch = "x86_64")]
+            fused: fused_codes(version, codec, span),
         }
     }
 
@@ -142,8 +141,8 @@ impl TensorLock {
     /// Unlock whole units in place: `buf` holds units `[first_unit, ...)` of the tensor.
     pub fn decode(&self, first_unit: u64, buf: &mut [u8]) -> Result<(), OutOfDomain> {
         #[cfg(target_arch = "x86_64")]
-        if self.fused {
-            return self.decode_fused(first_unit, buf);
+        if let Some(codes) = self.fused {
+            return self.decode_fused(codes, first_unit, buf);
         }
         self.shift(self.decode_kernel, first_unit, buf)
     }
@@ -159,31 +158,30 @@ impl TensorLock {
         self.shift(self.decode_kernel, first_unit, buf)
     }
 
-    /// [`TensorLock::decode`] of 16-bit codes by whole groups of the fused kernel, the
-    /// codes before the first group and after the last by the general path.
+    /// [`TensorLock::decode`] by whole groups of the fused kernel, the codes before the
+    /// first group and after the last by the general path.
     #[cfg(target_arch = "x86_64")]
-    fn decode_fused(&self, first_unit: u64, buf: &mut [u8]) -> Result<(), OutOfDomain> {
-        const UNIT: usize = 2;
-        assert_eq!(buf.len() % UNIT, 0, "whole units only");
-        let units = (buf.len() / UNIT) as u64;
-        let head = ((fused::GROUP_CODES - first_unit % fused::GROUP_CODES) % fused::GROUP_CODES)
-            .min(units);
-        let groups = (units - head) / fused::GROUP_CODES * fused::GROUP_CODES;
-        let (head_bytes, rest) = buf.split_at_mut(head as usize * UNIT);
-        let (middle, tail) = rest.split_at_mut(groups as usize * UNIT);
+    fn decode_fused(
+        &self,
+        codes: fused::Codes,
+        first_unit: u64,
+        buf: &mut [u8],
+    ) -> Result<(), OutOfDomain> {
+        let unit = codes.bytes();
+        assert_eq!(buf.len() % unit, 0, "whole units only");
+        let units = (buf.len() / unit) as u64;
+        let group = fused::GROUP_CODES;
+        let head = ((group - first_unit % group) % group).min(units);
+        let groups = (units - head) / group * group;
+        let (head_bytes, rest) = buf.split_at_mut(head as usize * unit);
+        let (middle, tail) = rest.split_at_mut(groups as usize * unit);
         self.shift(self.decode_kernel, first_unit, head_bytes)?;
         let start = first_unit + head;
-        // SAFETY: `fused` is set only where `fused::available()` found AVX-512 F and BW;
-        // `start` is a multiple of the group and `middle` whole groups; `span = 2m < 2^16`.
-        let outside = unsafe {
-            fused::unlock_groups(
-                self.stream_key.bytes(),
-                start,
-                self.m as u16,
-                self.span as u16,
-                middle,
-            )
-        };
+        // SAFETY: `fused` is set only where `fused::available()` found AVX-512 F and BW, for
+        // codes whose domain and span the kernel takes; `start` is a multiple of the group
+        // and `middle` whole groups.
+        let outside =
+            unsafe { fused::unlock_groups(codes, self.stream_key.bytes(), start, self.m, middle) };
         if let Some(i) = outside {
             return Err(OutOfDomain {
                 unit: start + i as u64,
@@ -255,16 +253,19 @@ impl TensorLock {
     }
 }
 
-/// Whether this CPU runs the fused kernel, asked once.
-fn fused_available() -> bool {
-    #[cfg(target_arch = "x86_64")]
-    {
-        static AVAILABLE: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
-        *AVAILABLE.get_or_init(fused::available)
+/// The codes the fused kernel unlocks for this tensor on this CPU, if any: lock v2's narrow
+/// streams (one word a code) of 8- and 16-bit codes.
+#[cfg(target_arch = "x86_64")]
+fn fused_codes(version: Version, codec: Codec, span: u64) -> Option<fused::Codes> {
+    static AVAILABLE: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    if version != Version::V2 || !*AVAILABLE.get_or_init(fused::available) {
+        return None;
     }
-    #[cfg(not(target_arch = "x86_64"))]
-    {
-        false
+    match codec {
+        Codec::Float { bits: 16, .. } if span < 1 << 16 => Some(fused::Codes::Float16),
+        Codec::Float { bits: 8, .. } => Some(fused::Codes::Float8),
+        Codec::E8m0 => Some(fused::Codes::Unsigned8),
+        _ => None,
     }
 }
 
@@ -277,45 +278,69 @@ thread_local! {
 mod tests {
     use super::*;
 
-    /// The fused kernel gives the general path's bytes at any start, length and domain,
-    /// and names the same first code outside the domain.
+    /// The fused kernel gives the general path's bytes for every kind of code it takes, at
+    /// any start, length and domain, and names the same first code outside the domain.
     #[cfg(target_arch = "x86_64")]
     #[test]
-    fn fused_16_bit_floats_equal_the_general_path() {
-        if !fused_available() {
-            eprintln!("no AVX-512 F and BW here: the fused kernel is not built for this CPU");
+    fn fused_kernel_equals_the_general_path() {
+        use safetensors::Dtype;
+        static AVAILABLE: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+        if !*AVAILABLE.get_or_init(fused::available) {
+            eprintln!("no AVX-512 F and BW here: the fused kernel does not run on this CPU");
             return;
         }
         let key = ModelKey::new([9; 32]);
         let mut rng = crate::testkit::SplitMix(21);
-        for dtype in [safetensors::Dtype::BF16, safetensors::Dtype::F16] {
-            let codec = Codec::float(dtype).expect("16-bit codec");
-            let top = match codec {
-                Codec::Float { top, .. } => top + 1,
-                _ => unreachable!(),
+        let float = |d| Codec::float(d).expect("float codec");
+        let cases = [
+            (float(Dtype::BF16), fused::Codes::Float16),
+            (float(Dtype::F16), fused::Codes::Float16),
+            (float(Dtype::F8_E4M3), fused::Codes::Float8),
+            (float(Dtype::F8_E5M2), fused::Codes::Float8),
+            (Codec::E8m0, fused::Codes::Unsigned8),
+        ];
+        for (codec, codes) in cases {
+            let bytes = codes.bytes();
+            // Codes of the unit's width: the sign bit for floats, every bit for E8M0.
+            let (sign, limit) = match codec {
+                Codec::Float { bits, top, .. } => (1u64 << (bits - 1), top + 1),
+                _ => (0, 256),
             };
-            for round in 0..60 {
+            for round in 0..80 {
                 let m = match round % 4 {
-                    0 => 0x4000,
-                    1 => top,
-                    2 => 0x80 * (1 + rng.below(top / 0x80)),
-                    _ => 1 + rng.below(top),
+                    0 => limit.min(255),
+                    1 => 1 + rng.below(limit),
+                    2 => match codec {
+                        Codec::Float { mantissa, .. } => {
+                            (1 + rng.below(limit >> mantissa)) << mantissa
+                        }
+                        _ => 1 + rng.below(4),
+                    },
+                    _ => 1 + rng.below(limit),
                 };
                 if !codec.valid_domain(m) {
                     continue;
                 }
                 let lock = TensorLock::new(&key, Version::V2, codec, m, "layers.0.w");
-                assert!(lock.fused, "m {m:#x}: the fused kernel was not chosen");
+                assert_eq!(lock.fused, Some(codes), "{codec:?} m {m:#x}");
                 let first = match round % 3 {
                     0 => rng.below(4) * 256,
                     1 => rng.below(1 << 20),
-                    _ => (1u64 << 36) - 5000 + rng.below(1000),
+                    _ => (1u64 << 36) / bytes as u64 - 5000 + rng.below(1000),
                 };
                 let units = rng.below(3000) as usize;
-                let mut sealed = vec![0u8; 2 * units];
-                for v in sealed.chunks_exact_mut(2) {
-                    let code = rng.below(m) | (rng.below(2) << 15);
-                    v.copy_from_slice(&(code as u16).to_le_bytes());
+                let code = |rng: &mut crate::testkit::SplitMix, below: u64, above: u64| {
+                    let magnitude = above + rng.below(below - above);
+                    magnitude
+                        | if sign != 0 && rng.below(2) == 1 {
+                            sign
+                        } else {
+                            0
+                        }
+                };
+                let mut sealed = vec![0u8; bytes * units];
+                for v in sealed.chunks_exact_mut(bytes) {
+                    v.copy_from_slice(&code(&mut rng, m, 0).to_le_bytes()[..bytes]);
                 }
                 let mut general = sealed.clone();
                 lock.decode_through_stream_buffer(first, &mut general)
@@ -324,16 +349,18 @@ mod tests {
                 lock.decode(first, &mut fused).expect("in the domain");
                 assert!(
                     fused == general,
-                    "{dtype:?} m {m:#x} from {first}: bytes differ"
+                    "{codec:?} m {m:#x} from {first}: bytes differ"
                 );
-                if units > 0 {
+                let widest = if sign != 0 { sign } else { 256 };
+                if units > 0 && m < widest {
                     let bad = rng.below(units as u64) as usize;
-                    let code = (m + rng.below(0x8000 - m)) | (rng.below(2) << 15);
-                    sealed[2 * bad..2 * bad + 2].copy_from_slice(&(code as u16).to_le_bytes());
+                    let c = code(&mut rng, widest, m);
+                    sealed[bytes * bad..bytes * (bad + 1)]
+                        .copy_from_slice(&c.to_le_bytes()[..bytes]);
                     let err = lock
                         .decode(first, &mut sealed.clone())
                         .expect_err("outside");
-                    assert_eq!(err.unit, first + bad as u64, "{dtype:?} m {m:#x}");
+                    assert_eq!(err.unit, first + bad as u64, "{codec:?} m {m:#x}");
                 }
             }
         }
