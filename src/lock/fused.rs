@@ -1,13 +1,16 @@
-//! Lock v2's narrow codes of 8 and 16 bits (BF16, F16, FP8 floats, E8M0 scales) unlocked as
-//! their ChaCha20 blocks are made, on AVX-512: the key stream never leaves the registers.
+//! Lock v2's codes of 16 bits or fewer (BF16, F16, I16 tables, FP8 floats, E8M0 scales, FP4
+//! pairs) unlocked as their ChaCha20 blocks are made, on AVX-512: the key stream never leaves
+//! the registers.
 //!
-//! Why: these are most of a checkpoint's bytes, and each plain byte takes two (16-bit codes)
-//! or four (8-bit) bytes of key stream. The general path writes the stream to a buffer (the
-//! cipher's last step there is a 16 x 16 transpose of 32-bit words), then reads it back and
-//! unlocks. Here the 16 blocks' words stay one state word per vector (lane `b` holds word `i`
-//! of block `b`, as OpenSSL's 16-block path keeps them), each word becomes its offset in
-//! place, and only the offsets, two or four to a 32-bit lane, are transposed into the codes'
-//! order: an 8 x 16 or 4 x 16 transpose instead of 16 x 16, and no stream in memory.
+//! Why: these are most of a checkpoint's bytes, and each plain byte takes two (16-bit codes),
+//! four (8-bit) or eight (FP4 pairs) bytes of key stream. The general path writes the stream
+//! to a buffer (the cipher's last step there is a 16 x 16 transpose of 32-bit words), then
+//! reads it back and unlocks. Here the 16 blocks' words stay one state word per vector (lane
+//! `b` holds word `i` of block `b`, as OpenSSL's 16-block path keeps them), each word becomes
+//! its offset in place, and only the offsets, two, four or eight to a 32-bit lane, are
+//! transposed into the codes' order: an 8 x 16, 4 x 16 or 2 x 16 transpose instead of
+//! 16 x 16, and no stream in memory. (32-bit codes would need the whole 16 x 16 transpose of
+//! their offsets, and keep the general path.)
 //!
 //! The arithmetic is `arith`'s: code `j` of the tensor takes stream word `j` (word `j % 16` of
 //! block `j / 16`), `off = (word * span) >> 32`, `plain = (index - off) mod span`. The tests
@@ -18,24 +21,38 @@ use std::arch::x86_64::*;
 use zeroize::Zeroize;
 
 /// Codes per group: 16 blocks of 16 words, one word a code.
-pub(super) const GROUP_CODES: u64 = 256;
+const GROUP_CODES: usize = 256;
 
 /// The codes the kernel unlocks.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub(super) enum Codes {
-    /// 16-bit sign-magnitude floats (BF16, F16): `span = 2m`.
+    /// 16-bit sign-magnitude floats (BF16, F16): `span = 2m < 2^16`.
     Float16,
+    /// Unsigned 16-bit values (I16 index tables): `span = m <= 2^15`.
+    Unsigned16,
     /// 8-bit sign-magnitude floats (F8_E4M3, F8_E5M2): `span = 2m`.
     Float8,
     /// Unsigned bytes (E8M0 scales): `span = m`, at most 256.
     Unsigned8,
+    /// Two 4-bit sign-magnitude floats a byte (FP4 E2M1), low nibble first: `span = 2m`.
+    Fp4Pairs,
 }
 
 impl Codes {
-    pub(super) fn bytes(self) -> usize {
+    /// Bytes of a unit: a code, or a byte of two FP4 codes.
+    pub(super) fn unit_bytes(self) -> usize {
         match self {
-            Codes::Float16 => 2,
-            Codes::Float8 | Codes::Unsigned8 => 1,
+            Codes::Float16 | Codes::Unsigned16 => 2,
+            Codes::Float8 | Codes::Unsigned8 | Codes::Fp4Pairs => 1,
+        }
+    }
+
+    /// Units a group of 256 codes takes: the kernel's step, and the alignment in the tensor
+    /// its first unit needs.
+    pub(super) fn group_units(self) -> u64 {
+        match self {
+            Codes::Fp4Pairs => GROUP_CODES as u64 / 2,
+            _ => GROUP_CODES as u64,
         }
     }
 }
@@ -46,11 +63,11 @@ pub(super) fn available() -> bool {
         && std::arch::is_x86_feature_detected!("avx512bw")
 }
 
-/// Unlocks `data`, whole groups of one tensor's `codes`, the first of them code
-/// `first_code` (a multiple of [`GROUP_CODES`]), under the ChaCha20 key `key` and domain `m`
-/// (`span` as `codes` sets it, below 2^16 for 16-bit codes). Returns the first code outside
-/// the domain, counted from the start of `data`; the groups before it are unlocked, the rest
-/// left as they were (a caller drops the bytes on an error).
+/// Unlocks `data`, whole groups of one tensor's `codes`, the first of them unit `first_unit`
+/// (a multiple of [`Codes::group_units`]), under the ChaCha20 key `key` and domain `m`
+/// (`span` as `codes` sets it). Returns the first unit outside the domain, counted from the
+/// start of `data`; the groups before it are unlocked, the rest left as they were (a caller
+/// drops the bytes on an error).
 ///
 /// # Safety
 /// The CPU must have AVX-512 F and BW ([`available`]).
@@ -58,26 +75,32 @@ pub(super) fn available() -> bool {
 pub(super) unsafe fn unlock_groups(
     codes: Codes,
     key: &[u8; 32],
-    first_code: u64,
+    first_unit: u64,
     m: u64,
     data: &mut [u8],
 ) -> Option<usize> {
-    debug_assert_eq!(first_code % GROUP_CODES, 0);
-    debug_assert_eq!(data.len() % (GROUP_CODES as usize * codes.bytes()), 0);
+    let group_units = codes.group_units();
+    debug_assert_eq!(first_unit % group_units, 0);
+    debug_assert_eq!(data.len() % (group_units as usize * codes.unit_bytes()), 0);
     let mut key_words = [0i32; 8];
     for (w, b) in key_words.iter_mut().zip(key.chunks_exact(4)) {
         *w = i32::from_le_bytes(b.try_into().expect("4 bytes"));
     }
     let mut key_vectors: [__m512i; 8] = std::array::from_fn(|i| _mm512_set1_epi32(key_words[i]));
     key_words.zeroize();
+    // Units of a group start on a group of 16 blocks of the stream.
     let stream = Stream {
         key: &key_vectors,
-        block: first_code / 16,
+        block: first_unit / group_units * 16,
     };
     let outside = match codes {
         Codes::Float16 => {
             debug_assert!(2 * m < 1 << 16);
-            unlock_16(stream, m as u16, data)
+            unlock_16::<true>(stream, m as u16, data)
+        }
+        Codes::Unsigned16 => {
+            debug_assert!(m <= 1 << 15);
+            unlock_16::<false>(stream, m as u16, data)
         }
         Codes::Float8 => {
             debug_assert!(2 * m <= 1 << 8);
@@ -86,6 +109,10 @@ pub(super) unsafe fn unlock_groups(
         Codes::Unsigned8 => {
             debug_assert!(m <= 1 << 8);
             unlock_8::<false>(stream, m as u16, data)
+        }
+        Codes::Fp4Pairs => {
+            debug_assert!(m <= 8);
+            unlock_fp4(stream, m as u8, data)
         }
     };
     key_vectors.zeroize();
@@ -112,38 +139,38 @@ impl Stream<'_> {
     }
 }
 
-/// The first code of `group` (codes of `W` bytes) whose magnitude (or value) is `m` or more.
-fn first_outside<const W: usize>(group: &[u8], m: u16, signed: bool) -> usize {
+/// The first unit of `group` (codes of `W` bytes) whose magnitude (`signed`: the code less
+/// its top bit) or value is `m` or more.
+fn first_outside<const W: usize>(group: &[u8], m: u64, signed: bool) -> usize {
     let mask = if signed {
-        (1u16 << (8 * W - 1)) - 1
+        (1u64 << (8 * W - 1)) - 1
     } else {
-        u16::MAX
+        u64::MAX
     };
     // The group's largest magnitude was found at or above `m`, so `position` finds it.
     group
         .chunks_exact(W)
         .position(|v| {
-            let code = if W == 2 {
-                u16::from_le_bytes([v[0], v[1]])
-            } else {
-                u16::from(v[0])
-            };
-            code & mask >= m
+            let mut raw = [0u8; 8];
+            raw[..W].copy_from_slice(v);
+            u64::from_le_bytes(raw) & mask >= m
         })
         .unwrap_or(0)
 }
 
-/// 16-bit sign-magnitude codes, 256 a group (8 vectors of 32).
+/// 16-bit codes, 256 a group (8 vectors of 32): sign-magnitude floats when `SIGNED`
+/// (`span = 2m`), else unsigned values (`span = m`; a negative I16 reads as 2^15 or more,
+/// outside any domain).
 #[inline]
 #[target_feature(enable = "avx512f,avx512bw")]
-fn unlock_16(mut stream: Stream<'_>, m: u16, data: &mut [u8]) -> Option<usize> {
-    let span = 2 * m;
+fn unlock_16<const SIGNED: bool>(mut stream: Stream<'_>, m: u16, data: &mut [u8]) -> Option<usize> {
+    let span = if SIGNED { 2 * m } else { m };
     let m_v = _mm512_set1_epi16(m as i16);
     let span_v = _mm512_set1_epi16(span as i16);
     let span_words = _mm512_set1_epi32(i32::from(span));
-    let magnitude = _mm512_set1_epi16(0x7FFF);
+    let magnitude = _mm512_set1_epi16(if SIGNED { 0x7FFF } else { -1 });
     let to_negative = _mm512_set1_epi16(0x8000u16.wrapping_sub(m) as i16);
-    for (g, group) in data.chunks_exact_mut(2 * GROUP_CODES as usize).enumerate() {
+    for (g, group) in data.chunks_exact_mut(2 * GROUP_CODES).enumerate() {
         let words = stream.next_words();
         let off = |i: usize| offsets(words[i], span_words);
         // Lane b of pair p: the offsets of codes 16b + 2p and 16b + 2p + 1, as they sit in
@@ -160,20 +187,27 @@ fn unlock_16(mut stream: Stream<'_>, m: u16, data: &mut [u8]) -> Option<usize> {
             largest = _mm512_max_epu16(largest, _mm512_and_si512(code, magnitude));
         }
         if _mm512_cmpge_epu16_mask(largest, m_v) != 0 {
-            return Some(g * GROUP_CODES as usize + first_outside::<2>(group, m, true));
+            return Some(g * GROUP_CODES + first_outside::<2>(group, m.into(), SIGNED));
         }
         for (off, codes) in offsets.into_iter().zip(group.chunks_exact_mut(64)) {
             let at = codes.as_mut_ptr() as *mut __m512i;
             // SAFETY: `codes` holds the 64 bytes read and written; unaligned access.
             let code = unsafe { _mm512_loadu_si512(at) };
-            let mag = _mm512_and_si512(code, magnitude);
-            let sign_m = _mm512_and_si512(_mm512_srai_epi16::<15>(code), m_v);
-            let index = _mm512_add_epi16(mag, sign_m);
+            let index = if SIGNED {
+                let mag = _mm512_and_si512(code, magnitude);
+                _mm512_add_epi16(mag, _mm512_and_si512(_mm512_srai_epi16::<15>(code), m_v))
+            } else {
+                code
+            };
             let diff = _mm512_sub_epi16(index, off);
             let borrow = _mm512_cmplt_epu16_mask(index, off);
             let plain = _mm512_mask_add_epi16(diff, borrow, diff, span_v);
-            let high = _mm512_cmpge_epu16_mask(plain, m_v);
-            let out = _mm512_mask_add_epi16(plain, high, plain, to_negative);
+            let out = if SIGNED {
+                let high = _mm512_cmpge_epu16_mask(plain, m_v);
+                _mm512_mask_add_epi16(plain, high, plain, to_negative)
+            } else {
+                plain
+            };
             // SAFETY: as the load.
             unsafe { _mm512_storeu_si512(at, out) };
         }
@@ -194,7 +228,7 @@ fn unlock_8<const SIGNED: bool>(mut stream: Stream<'_>, m: u16, data: &mut [u8])
     let span_words = _mm512_set1_epi32(i32::from(span));
     let magnitude = _mm512_set1_epi8(if SIGNED { 0x7F } else { -1 });
     let to_negative = _mm512_set1_epi8(0x80u8.wrapping_sub(m as u8) as i8);
-    for (g, group) in data.chunks_exact_mut(GROUP_CODES as usize).enumerate() {
+    for (g, group) in data.chunks_exact_mut(GROUP_CODES).enumerate() {
         let words = stream.next_words();
         let off = |i: usize| offsets(words[i], span_words);
         // Lane b of quad p: the offsets of codes 16b + 4p .. 16b + 4p + 4, as they sit in
@@ -215,7 +249,7 @@ fn unlock_8<const SIGNED: bool>(mut stream: Stream<'_>, m: u16, data: &mut [u8])
             largest = _mm512_max_epu8(largest, _mm512_and_si512(code, magnitude));
         }
         if _mm512_cmpgt_epu8_mask(largest, largest_allowed) != 0 {
-            return Some(g * GROUP_CODES as usize + first_outside::<1>(group, m, SIGNED));
+            return Some(g * GROUP_CODES + first_outside::<1>(group, m.into(), SIGNED));
         }
         for (off, codes) in offsets.into_iter().zip(group.chunks_exact_mut(64)) {
             let at = codes.as_mut_ptr() as *mut __m512i;
@@ -236,6 +270,84 @@ fn unlock_8<const SIGNED: bool>(mut stream: Stream<'_>, m: u16, data: &mut [u8])
             } else {
                 plain
             };
+            // SAFETY: as the load.
+            unsafe { _mm512_storeu_si512(at, out) };
+        }
+    }
+    None
+}
+
+/// FP4 pairs, 256 codes (128 bytes, 2 vectors) a group: each nibble a 4-bit sign-magnitude
+/// code (`span = 2m <= 16`), the low nibble the earlier code.
+#[inline]
+#[target_feature(enable = "avx512f,avx512bw")]
+fn unlock_fp4(mut stream: Stream<'_>, m: u8, data: &mut [u8]) -> Option<usize> {
+    let m_v = _mm512_set1_epi8(m as i8);
+    let largest_allowed = _mm512_set1_epi8(m as i8 - 1);
+    let span_v = _mm512_set1_epi8(2 * m as i8);
+    let span_words = _mm512_set1_epi32(2 * i32::from(m));
+    let nibble = _mm512_set1_epi8(0x0F);
+    let magnitude = _mm512_set1_epi8(0x07);
+    let sign = _mm512_set1_epi8(0x08);
+    let to_negative = _mm512_set1_epi8(8 - m as i8);
+    // One nibble of each byte, as codes: 0..16 in a byte each.
+    let unlock = |code: __m512i, off: __m512i| -> __m512i {
+        let mag = _mm512_and_si512(code, magnitude);
+        let index = _mm512_mask_add_epi8(mag, _mm512_test_epi8_mask(code, sign), mag, m_v);
+        let diff = _mm512_sub_epi8(index, off);
+        let borrow = _mm512_cmplt_epu8_mask(index, off);
+        let plain = _mm512_mask_add_epi8(diff, borrow, diff, span_v);
+        let high = _mm512_cmpge_epu8_mask(plain, m_v);
+        _mm512_mask_add_epi8(plain, high, plain, to_negative)
+    };
+    for (g, group) in data.chunks_exact_mut(GROUP_CODES / 2).enumerate() {
+        let words = stream.next_words();
+        let off = |i: usize| offsets(words[i], span_words);
+        // Lane b of octet p: the offsets of codes 16b + 8p .. 16b + 8p + 8, a nibble each,
+        // as the codes sit in memory.
+        let octets: [__m512i; 2] = std::array::from_fn(|p| {
+            let mut packed = off(8 * p);
+            for i in 1..8 {
+                packed = _mm512_or_si512(
+                    packed,
+                    _mm512_sllv_epi32(off(8 * p + i), _mm512_set1_epi32(4 * i as i32)),
+                );
+            }
+            packed
+        });
+        let offsets = transpose_octets(octets);
+        let mut largest = _mm512_setzero_si512();
+        for codes in group.chunks_exact(64) {
+            // SAFETY: `codes` holds the 64 bytes read; unaligned access.
+            let code = unsafe { _mm512_loadu_si512(codes.as_ptr() as *const __m512i) };
+            let high = _mm512_and_si512(_mm512_srli_epi16::<4>(code), magnitude);
+            largest = _mm512_max_epu8(
+                largest,
+                _mm512_max_epu8(_mm512_and_si512(code, magnitude), high),
+            );
+        }
+        if _mm512_cmpgt_epu8_mask(largest, largest_allowed) != 0 {
+            // The group's largest magnitude was found at or above `m`, so `position` finds it.
+            let first = group
+                .iter()
+                .position(|&b| b & 7 >= m || (b >> 4) & 7 >= m)
+                .unwrap_or(0);
+            return Some(g * GROUP_CODES / 2 + first);
+        }
+        for (off, codes) in offsets.into_iter().zip(group.chunks_exact_mut(64)) {
+            let at = codes.as_mut_ptr() as *mut __m512i;
+            // SAFETY: `codes` holds the 64 bytes read and written; unaligned access.
+            let code = unsafe { _mm512_loadu_si512(at) };
+            let low = unlock(
+                _mm512_and_si512(code, nibble),
+                _mm512_and_si512(off, nibble),
+            );
+            let high = unlock(
+                _mm512_and_si512(_mm512_srli_epi16::<4>(code), nibble),
+                _mm512_and_si512(_mm512_srli_epi16::<4>(off), nibble),
+            );
+            // Each byte of `high` is below 16: shifting 16-bit lanes left by 4 keeps it in its byte.
+            let out = _mm512_or_si512(low, _mm512_slli_epi16::<4>(high));
             // SAFETY: as the load.
             unsafe { _mm512_storeu_si512(at, out) };
         }
@@ -380,5 +492,21 @@ fn transpose_lanes(a: __m512i, b: __m512i, c: __m512i, d: __m512i) -> [__m512i; 
         _mm512_shuffle_i32x4::<0b11_01_11_01>(ab_lo, cd_lo),
         _mm512_shuffle_i32x4::<0b10_00_10_00>(ab_hi, cd_hi),
         _mm512_shuffle_i32x4::<0b11_01_11_01>(ab_hi, cd_hi),
+    ]
+}
+
+/// From `octets[p]` (lane `b`: the 4-bit offsets of codes `16b + 8p .. 16b + 8p + 8`) to
+/// the offsets of codes `128k .. 128k + 128` in vector `k`, as the codes sit in memory.
+#[inline]
+#[target_feature(enable = "avx512f")]
+fn transpose_octets(octets: [__m512i; 2]) -> [__m512i; 2] {
+    // Lane q: blocks 4q, 4q + 1 (low) and 4q + 2, 4q + 3 (high), octets 0 and 1 of each.
+    let low = _mm512_unpacklo_epi32(octets[0], octets[1]);
+    let high = _mm512_unpackhi_epi32(octets[0], octets[1]);
+    let first = _mm512_shuffle_i32x4::<0b01_00_01_00>(low, high);
+    let second = _mm512_shuffle_i32x4::<0b11_10_11_10>(low, high);
+    [
+        _mm512_shuffle_i32x4::<0b11_01_10_00>(first, first),
+        _mm512_shuffle_i32x4::<0b11_01_10_00>(second, second),
     ]
 }
