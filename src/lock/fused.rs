@@ -346,7 +346,8 @@ fn unlock_fp4(mut stream: Stream<'_>, m: u8, data: &mut [u8]) -> Option<usize> {
                 _mm512_and_si512(_mm512_srli_epi16::<4>(code), nibble),
                 _mm512_and_si512(_mm512_srli_epi16::<4>(off), nibble),
             );
-            // Each byte of `high` is below 16: shifting 16-bit lanes left by 4 keeps it in its byte.
+            // Each byte of `high` is below 16: a 16-bit lane shifted left by 4 keeps it in
+            // its byte.
             let out = _mm512_or_si512(low, _mm512_slli_epi16::<4>(high));
             // SAFETY: as the load.
             unsafe { _mm512_storeu_si512(at, out) };

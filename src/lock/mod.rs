@@ -12,8 +12,8 @@
 //! - `arith`: offsets and modular shifts;
 //! - `lanes`: the kernels, one generic loop per kind of code and instruction set;
 //! - `fused`: lock v2's codes of 16 bits or fewer on AVX-512, unlocked as their ChaCha20
-//!   blocks are made, the stream never written out (the general path, `stream` into a buffer and then
-//!   `lanes`, takes every other tensor and the codes around a call's whole groups).
+//!   blocks are made, the stream never written out (the general path, `stream` into a buffer
+//!   and then `lanes`, takes every other tensor and the codes around a call's whole groups).
 
 mod arith;
 mod codec;
