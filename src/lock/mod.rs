@@ -180,15 +180,18 @@ impl TensorLock {
         let (middle, tail) = rest.split_at_mut(groups as usize * unit);
         self.shift(self.decode_kernel, first_unit, head_bytes)?;
         let start = first_unit + head;
-        // SAFETY: `fused` is set only where `fused::available()` found AVX-512 F and BW, for
-        // codes whose domain and span the kernel takes; `start` is a multiple of the group
-        // and `middle` whole groups.
-        let outside =
-            unsafe { fused::unlock_groups(codes, self.stream_key.bytes(), start, self.m, middle) };
-        if let Some(i) = outside {
-            return Err(OutOfDomain {
-                unit: start + i as u64,
-            });
+        if groups > 0 {
+            // SAFETY: `fused` is set only where `fused::available()` found AVX-512 F and BW,
+            // for codes whose domain and span the kernel takes; `start` is a multiple of the
+            // group and `middle` whole groups.
+            let outside = unsafe {
+                fused::unlock_groups(codes, self.stream_key.bytes(), start, self.m, middle)
+            };
+            if let Some(i) = outside {
+                return Err(OutOfDomain {
+                    unit: start + i as u64,
+                });
+            }
         }
         self.shift(self.decode_kernel, start + groups, tail)
     }
