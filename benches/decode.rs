@@ -193,6 +193,15 @@ fn cases() -> Vec<Case> {
         float(Dtype::F8_E4M3),
         floats(Dtype::F8_E4M3, false, BUF),
     ));
+    out.push(Case {
+        through_stream_buffer: true,
+        ..case(
+            "v2 float F8_E4M3, stream through a buffer (no fused kernel)",
+            V2,
+            float(Dtype::F8_E4M3),
+            floats(Dtype::F8_E4M3, false, BUF),
+        )
+    });
     out.push(case(
         "v2 e8m0 F8_E8M0",
         V2,
@@ -217,6 +226,15 @@ fn cases() -> Vec<Case> {
         Codec::Fp4x2,
         pseudo_random(13, BUF),
     ));
+    out.push(Case {
+        through_stream_buffer: true,
+        ..case(
+            "v2 e2m1x2 U8 (FP4), stream through a buffer (no fused kernel)",
+            V2,
+            Codec::Fp4x2,
+            pseudo_random(13, BUF),
+        )
+    });
     out.push(case(
         "v1 BF16",
         V1,
