@@ -305,10 +305,11 @@ fn fuse_mode_fetches_the_next_shard_ahead_while_the_first_is_read() {
     });
     let served = counter(&m, "bytes_served");
     assert!(fs::read(m.path(BIG)).unwrap() == view[BIG], "{BIG} differs");
-    assert_eq!(
-        counter(&m, "bytes_served") - served,
-        0,
-        "{BIG} read from the kernel's page cache"
+    // All of it from the kernel's page cache, but for pages proactive reclaim took.
+    let from_daemon = counter(&m, "bytes_served") - served;
+    assert!(
+        from_daemon <= reclaim_allowance(next),
+        "{BIG}: {from_daemon} of {next} bytes read from the daemon, not the kernel's page cache"
     );
     assert!(
         read_all(&held, view[SMALL].len()) == view[SMALL],
@@ -397,7 +398,11 @@ fn fuse_mode_decodes_local_shards_into_the_kernels_page_cache_ahead_of_their_fir
         }
         let served = counter(&m, "bytes_served") - served;
         if ahead {
-            assert_eq!(served, 0, "every byte read from the kernel's page cache");
+            // Every byte from the kernel's page cache, but for pages proactive reclaim took.
+            assert!(
+                served <= reclaim_allowance(decoded),
+                "{served} of {decoded} bytes served by the daemon, not the kernel's page cache"
+            );
         } else {
             assert!(
                 served >= decoded,

@@ -395,10 +395,11 @@ fn through_fuse_files_are_checked_ahead_of_their_opens() {
         .filter(|(rel, _)| !is_shard(rel))
         .map(|(_, v)| v.len() as u64)
         .sum();
-    assert_eq!(
-        counter(&m, "bytes_served") - served,
-        others,
-        "only the other files through the daemon"
+    // Only the other files through the daemon, but for shard pages proactive reclaim took.
+    let served = counter(&m, "bytes_served") - served;
+    assert!(
+        served >= others && served - others <= reclaim_allowance(shards),
+        "{served} bytes through the daemon, where the other files are {others}"
     );
     assert_eq!(status(&m)["verified_files"], s.view.len() as u64);
     drop(m);

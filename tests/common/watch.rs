@@ -12,6 +12,16 @@ use serde_json::Value;
 
 use super::sample::Sample;
 
+/// Of `stored` bytes put into the kernel's page cache ahead of any open, how many a test lets
+/// its reads still take from the daemon: proactive reclaim may page out single cold pages
+/// between the store and the read. These VMs run a DAMON `pageout` scheme over physical
+/// memory (`/sys/kernel/mm/damon/admin/kdamonds`), which took single pages of a shard stored
+/// seconds before: 4-8 KiB reads at scattered offsets in the daemon's log, about 1 run in 8.
+/// A sixteenth: without the store every byte would come from the daemon.
+pub fn reclaim_allowance(stored: u64) -> u64 {
+    stored / 16
+}
+
 /// Mount `s` in the background with `--key` and a debug log at `log`, plus `extra`; the
 /// daemon's pid.
 pub fn mount_logged(s: &Sample, m: &Mnt, log: &Path, extra: &[&str]) -> i32 {
