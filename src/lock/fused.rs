@@ -20,6 +20,8 @@ use std::arch::x86_64::*;
 
 use zeroize::Zeroize;
 
+use super::lanes::{Fp4Pair, Kind, SignMagnitude, Unsigned};
+
 /// Codes per group: 16 blocks of 16 words, one word a code.
 const GROUP_CODES: usize = 256;
 
@@ -139,23 +141,44 @@ impl Stream<'_> {
     }
 }
 
-/// The first unit of `group` (codes of `W` bytes) whose magnitude (`signed`: the code less
-/// its top bit) or value is `m` or more.
-fn first_outside<const W: usize>(group: &[u8], m: u64, signed: bool) -> usize {
-    let mask = if signed {
-        (1u64 << (8 * W - 1)) - 1
-    } else {
-        u64::MAX
-    };
-    // The group's largest magnitude was found at or above `m`, so `position` finds it.
-    group
-        .chunks_exact(W)
-        .position(|v| {
-            let mut raw = [0u8; 8];
-            raw[..W].copy_from_slice(v);
-            u64::from_le_bytes(raw) & mask >= m
-        })
-        .unwrap_or(0)
+/// The loop of every kernel, over groups of 256 codes (`N` vectors of `data`): the group's
+/// offsets in the codes' order (`offsets_of` the 16 blocks' words), every code of the group
+/// checked against the domain before any changes (`outside` of its vectors: one comparison a
+/// group; `first_outside` names the unit), then each vector unlocked in place (`unlock` of
+/// its codes and offsets). Returns the first unit outside the domain, counted from the start
+/// of `data`.
+#[inline]
+#[target_feature(enable = "avx512f,avx512bw")]
+fn each_group<const N: usize>(
+    mut stream: Stream<'_>,
+    data: &mut [u8],
+    units_per_group: usize,
+    offsets_of: impl Fn(&[__m512i; 16]) -> [__m512i; N],
+    outside: impl Fn(&[__m512i; N]) -> bool,
+    first_outside: impl Fn(&[u8]) -> Option<usize>,
+    unlock: impl Fn(__m512i, __m512i) -> __m512i,
+) -> Option<usize> {
+    for (g, group) in data.chunks_exact_mut(64 * N).enumerate() {
+        let offsets = offsets_of(&stream.next_words());
+        let codes: [__m512i; N] = std::array::from_fn(|k| {
+            // SAFETY: the group holds `64 * N` bytes; unaligned access.
+            unsafe { _mm512_loadu_si512(group[64 * k..].as_ptr() as *const __m512i) }
+        });
+        if outside(&codes) {
+            // The group holds a code outside the domain, so `first_outside` finds it.
+            return Some(g * units_per_group + first_outside(group).unwrap_or(0));
+        }
+        for (k, (code, off)) in codes.into_iter().zip(offsets).enumerate() {
+            // SAFETY: as the loads.
+            unsafe {
+                _mm512_storeu_si512(
+                    group[64 * k..].as_mut_ptr() as *mut __m512i,
+                    unlock(code, off),
+                )
+            };
+        }
+    }
+    None
 }
 
 /// 16-bit codes, 256 a group (8 vectors of 32): sign-magnitude floats when `SIGNED`
@@ -163,36 +186,36 @@ fn first_outside<const W: usize>(group: &[u8], m: u64, signed: bool) -> usize {
 /// outside any domain).
 #[inline]
 #[target_feature(enable = "avx512f,avx512bw")]
-fn unlock_16<const SIGNED: bool>(mut stream: Stream<'_>, m: u16, data: &mut [u8]) -> Option<usize> {
+fn unlock_16<const SIGNED: bool>(stream: Stream<'_>, m: u16, data: &mut [u8]) -> Option<usize> {
     let span = if SIGNED { 2 * m } else { m };
     let m_v = _mm512_set1_epi16(m as i16);
     let span_v = _mm512_set1_epi16(span as i16);
     let span_words = _mm512_set1_epi32(i32::from(span));
     let magnitude = _mm512_set1_epi16(if SIGNED { 0x7FFF } else { -1 });
     let to_negative = _mm512_set1_epi16(0x8000u16.wrapping_sub(m) as i16);
-    for (g, group) in data.chunks_exact_mut(2 * GROUP_CODES).enumerate() {
-        let words = stream.next_words();
-        let off = |i: usize| offsets(words[i], span_words);
-        // Lane b of pair p: the offsets of codes 16b + 2p and 16b + 2p + 1, as they sit in
-        // memory.
-        let pairs: [__m512i; 8] = std::array::from_fn(|p| {
-            _mm512_or_si512(off(2 * p), _mm512_slli_epi32::<16>(off(2 * p + 1)))
-        });
-        let offsets = transpose_pairs(pairs);
-        // Every code of the group checked before any changes: one comparison a group.
-        let mut largest = _mm512_setzero_si512();
-        for codes in group.chunks_exact(64) {
-            // SAFETY: `codes` holds the 64 bytes read; unaligned access.
-            let code = unsafe { _mm512_loadu_si512(codes.as_ptr() as *const __m512i) };
-            largest = _mm512_max_epu16(largest, _mm512_and_si512(code, magnitude));
-        }
-        if _mm512_cmpge_epu16_mask(largest, m_v) != 0 {
-            return Some(g * GROUP_CODES + first_outside::<2>(group, m.into(), SIGNED));
-        }
-        for (off, codes) in offsets.into_iter().zip(group.chunks_exact_mut(64)) {
-            let at = codes.as_mut_ptr() as *mut __m512i;
-            // SAFETY: `codes` holds the 64 bytes read and written; unaligned access.
-            let code = unsafe { _mm512_loadu_si512(at) };
+    each_group(
+        stream,
+        data,
+        GROUP_CODES,
+        |words| {
+            let off = |i: usize| offsets(words[i], span_words);
+            // Lane b of pair p: the offsets of codes 16b + 2p and 16b + 2p + 1, as they sit
+            // in memory.
+            transpose_pairs(std::array::from_fn(|p| {
+                _mm512_or_si512(off(2 * p), _mm512_slli_epi32::<16>(off(2 * p + 1)))
+            }))
+        },
+        |codes| {
+            let largest = codes.iter().fold(_mm512_setzero_si512(), |largest, &code| {
+                _mm512_max_epu16(largest, _mm512_and_si512(code, magnitude))
+            });
+            _mm512_cmpge_epu16_mask(largest, m_v) != 0
+        },
+        |group| match SIGNED {
+            true => SignMagnitude::<2>::first_outside(group, m.into()),
+            false => Unsigned::<2>::first_outside(group, m.into()),
+        },
+        |code, off| {
             let index = if SIGNED {
                 let mag = _mm512_and_si512(code, magnitude);
                 _mm512_add_epi16(mag, _mm512_and_si512(_mm512_srai_epi16::<15>(code), m_v))
@@ -202,158 +225,156 @@ fn unlock_16<const SIGNED: bool>(mut stream: Stream<'_>, m: u16, data: &mut [u8]
             let diff = _mm512_sub_epi16(index, off);
             let borrow = _mm512_cmplt_epu16_mask(index, off);
             let plain = _mm512_mask_add_epi16(diff, borrow, diff, span_v);
-            let out = if SIGNED {
+            if SIGNED {
                 let high = _mm512_cmpge_epu16_mask(plain, m_v);
                 _mm512_mask_add_epi16(plain, high, plain, to_negative)
             } else {
                 plain
-            };
-            // SAFETY: as the load.
-            unsafe { _mm512_storeu_si512(at, out) };
-        }
-    }
-    None
+            }
+        },
+    )
 }
 
-/// 8-bit codes, 256 a group (4 vectors of 64): sign-magnitude floats when `SIGNED`
-/// (`span = 2m`), else unsigned values (`span = m`; a span of 256 is 0 in a byte, and adding
-/// it changes nothing, as a shift modulo 256 needs).
-#[inline]
-#[target_feature(enable = "avx512f,avx512bw")]
-fn unlock_8<const SIGNED: bool>(mut stream: Stream<'_>, m: u16, data: &mut [u8]) -> Option<usize> {
-    let span = if SIGNED { 2 * m } else { m };
-    let m_v = _mm512_set1_epi8(m as u8 as i8);
-    let largest_allowed = _mm512_set1_epi8((m - 1) as u8 as i8);
-    let span_v = _mm512_set1_epi8(span as u8 as i8);
-    let span_words = _mm512_set1_epi32(i32::from(span));
-    let magnitude = _mm512_set1_epi8(if SIGNED { 0x7F } else { -1 });
-    let to_negative = _mm512_set1_epi8(0x80u8.wrapping_sub(m as u8) as i8);
-    for (g, group) in data.chunks_exact_mut(GROUP_CODES).enumerate() {
-        let words = stream.next_words();
-        let off = |i: usize| offsets(words[i], span_words);
-        // Lane b of quad p: the offsets of codes 16b + 4p .. 16b + 4p + 4, as they sit in
-        // memory.
-        let quads: [__m512i; 4] = std::array::from_fn(|p| {
-            let low = _mm512_or_si512(off(4 * p), _mm512_slli_epi32::<8>(off(4 * p + 1)));
-            let high = _mm512_or_si512(
-                _mm512_slli_epi32::<16>(off(4 * p + 2)),
-                _mm512_slli_epi32::<24>(off(4 * p + 3)),
-            );
-            _mm512_or_si512(low, high)
-        });
-        let offsets = transpose_quads(quads);
-        let mut largest = _mm512_setzero_si512();
-        for codes in group.chunks_exact(64) {
-            // SAFETY: `codes` holds the 64 bytes read; unaligned access.
-            let code = unsafe { _mm512_loadu_si512(codes.as_ptr() as *const __m512i) };
-            largest = _mm512_max_epu8(largest, _mm512_and_si512(code, magnitude));
-        }
-        if _mm512_cmpgt_epu8_mask(largest, largest_allowed) != 0 {
-            return Some(g * GROUP_CODES + first_outside::<1>(group, m.into(), SIGNED));
-        }
-        for (off, codes) in offsets.into_iter().zip(group.chunks_exact_mut(64)) {
-            let at = codes.as_mut_ptr() as *mut __m512i;
-            // SAFETY: `codes` holds the 64 bytes read and written; unaligned access.
-            let code = unsafe { _mm512_loadu_si512(at) };
-            let index = if SIGNED {
-                let mag = _mm512_and_si512(code, magnitude);
-                _mm512_mask_add_epi8(mag, _mm512_movepi8_mask(code), mag, m_v)
-            } else {
-                code
-            };
-            let diff = _mm512_sub_epi8(index, off);
-            let borrow = _mm512_cmplt_epu8_mask(index, off);
-            let plain = _mm512_mask_add_epi8(diff, borrow, diff, span_v);
-            let out = if SIGNED {
-                let high = _mm512_cmpge_epu8_mask(plain, m_v);
-                _mm512_mask_add_epi8(plain, high, plain, to_negative)
-            } else {
-                plain
-            };
-            // SAFETY: as the load.
-            unsafe { _mm512_storeu_si512(at, out) };
+/// The unlock of codes of at most 8 bits, one a byte: sign-magnitude ones when `sign` is
+/// given (the byte's sign bit; `magnitude` the bits below it, `span = 2m`), else unsigned
+/// (`span = m`; a span of 256 is 0 in a byte, and adding it changes nothing, as a shift
+/// modulo 256 needs).
+struct ByteCodes {
+    sign: Option<__m512i>,
+    magnitude: __m512i,
+    m: __m512i,
+    span: __m512i,
+    to_negative: __m512i,
+}
+
+impl ByteCodes {
+    #[inline]
+    #[target_feature(enable = "avx512f,avx512bw")]
+    fn new(m: u8, sign_bit: Option<u8>) -> ByteCodes {
+        let span = match sign_bit {
+            Some(_) => 2 * u16::from(m),
+            None => u16::from(m),
+        };
+        ByteCodes {
+            sign: sign_bit.map(|b| _mm512_set1_epi8(b as i8)),
+            magnitude: _mm512_set1_epi8(sign_bit.map_or(-1, |b| (b - 1) as i8)),
+            m: _mm512_set1_epi8(m as i8),
+            span: _mm512_set1_epi8(span as u8 as i8),
+            to_negative: _mm512_set1_epi8(sign_bit.map_or(0, |b| b.wrapping_sub(m)) as i8),
         }
     }
-    None
+
+    #[inline]
+    #[target_feature(enable = "avx512f,avx512bw")]
+    fn unlock(&self, code: __m512i, off: __m512i) -> __m512i {
+        let index = match self.sign {
+            Some(sign) => {
+                let mag = _mm512_and_si512(code, self.magnitude);
+                _mm512_mask_add_epi8(mag, _mm512_test_epi8_mask(code, sign), mag, self.m)
+            }
+            None => code,
+        };
+        let diff = _mm512_sub_epi8(index, off);
+        let borrow = _mm512_cmplt_epu8_mask(index, off);
+        let plain = _mm512_mask_add_epi8(diff, borrow, diff, self.span);
+        if self.sign.is_some() {
+            let high = _mm512_cmpge_epu8_mask(plain, self.m);
+            _mm512_mask_add_epi8(plain, high, plain, self.to_negative)
+        } else {
+            plain
+        }
+    }
+}
+
+/// 8-bit codes, 256 a group (4 vectors of 64): sign-magnitude floats when `SIGNED`, else
+/// unsigned values ([`ByteCodes`]).
+#[inline]
+#[target_feature(enable = "avx512f,avx512bw")]
+fn unlock_8<const SIGNED: bool>(stream: Stream<'_>, m: u16, data: &mut [u8]) -> Option<usize> {
+    let codes = ByteCodes::new(m as u8, SIGNED.then_some(0x80));
+    let span = if SIGNED { 2 * m } else { m };
+    let span_words = _mm512_set1_epi32(i32::from(span));
+    let largest_allowed = _mm512_set1_epi8((m - 1) as u8 as i8);
+    each_group(
+        stream,
+        data,
+        GROUP_CODES,
+        |words| {
+            let off = |i: usize| offsets(words[i], span_words);
+            // Lane b of quad p: the offsets of codes 16b + 4p .. 16b + 4p + 4, as they sit
+            // in memory.
+            transpose_quads(std::array::from_fn(|p| {
+                let low = _mm512_or_si512(off(4 * p), _mm512_slli_epi32::<8>(off(4 * p + 1)));
+                let high = _mm512_or_si512(
+                    _mm512_slli_epi32::<16>(off(4 * p + 2)),
+                    _mm512_slli_epi32::<24>(off(4 * p + 3)),
+                );
+                _mm512_or_si512(low, high)
+            }))
+        },
+        |group| {
+            let largest = group.iter().fold(_mm512_setzero_si512(), |largest, &code| {
+                _mm512_max_epu8(largest, _mm512_and_si512(code, codes.magnitude))
+            });
+            _mm512_cmpgt_epu8_mask(largest, largest_allowed) != 0
+        },
+        |group| match SIGNED {
+            true => SignMagnitude::<1>::first_outside(group, m.into()),
+            false => Unsigned::<1>::first_outside(group, m.into()),
+        },
+        |code, off| codes.unlock(code, off),
+    )
 }
 
 /// FP4 pairs, 256 codes (128 bytes, 2 vectors) a group: each nibble a 4-bit sign-magnitude
-/// code (`span = 2m <= 16`), the low nibble the earlier code.
+/// code (`span = 2m <= 16`), the low nibble the earlier code, unlocked as a byte of its own.
 #[inline]
 #[target_feature(enable = "avx512f,avx512bw")]
-fn unlock_fp4(mut stream: Stream<'_>, m: u8, data: &mut [u8]) -> Option<usize> {
-    let m_v = _mm512_set1_epi8(m as i8);
-    let largest_allowed = _mm512_set1_epi8(m as i8 - 1);
-    let span_v = _mm512_set1_epi8(2 * m as i8);
+fn unlock_fp4(stream: Stream<'_>, m: u8, data: &mut [u8]) -> Option<usize> {
+    let codes = ByteCodes::new(m, Some(0x08));
     let span_words = _mm512_set1_epi32(2 * i32::from(m));
     let nibble = _mm512_set1_epi8(0x0F);
-    let magnitude = _mm512_set1_epi8(0x07);
-    let sign = _mm512_set1_epi8(0x08);
-    let to_negative = _mm512_set1_epi8(8 - m as i8);
-    // One nibble of each byte, as codes: 0..16 in a byte each.
-    let unlock = |code: __m512i, off: __m512i| -> __m512i {
-        let mag = _mm512_and_si512(code, magnitude);
-        let index = _mm512_mask_add_epi8(mag, _mm512_test_epi8_mask(code, sign), mag, m_v);
-        let diff = _mm512_sub_epi8(index, off);
-        let borrow = _mm512_cmplt_epu8_mask(index, off);
-        let plain = _mm512_mask_add_epi8(diff, borrow, diff, span_v);
-        let high = _mm512_cmpge_epu8_mask(plain, m_v);
-        _mm512_mask_add_epi8(plain, high, plain, to_negative)
-    };
-    for (g, group) in data.chunks_exact_mut(GROUP_CODES / 2).enumerate() {
-        let words = stream.next_words();
-        let off = |i: usize| offsets(words[i], span_words);
-        // Lane b of octet p: the offsets of codes 16b + 8p .. 16b + 8p + 8, a nibble each,
-        // as the codes sit in memory.
-        let octets: [__m512i; 2] = std::array::from_fn(|p| {
-            let mut packed = off(8 * p);
-            for i in 1..8 {
-                packed = _mm512_or_si512(
-                    packed,
-                    _mm512_sllv_epi32(off(8 * p + i), _mm512_set1_epi32(4 * i as i32)),
-                );
-            }
-            packed
-        });
-        let offsets = transpose_octets(octets);
-        let mut largest = _mm512_setzero_si512();
-        for codes in group.chunks_exact(64) {
-            // SAFETY: `codes` holds the 64 bytes read; unaligned access.
-            let code = unsafe { _mm512_loadu_si512(codes.as_ptr() as *const __m512i) };
-            let high = _mm512_and_si512(_mm512_srli_epi16::<4>(code), magnitude);
-            largest = _mm512_max_epu8(
-                largest,
-                _mm512_max_epu8(_mm512_and_si512(code, magnitude), high),
-            );
-        }
-        if _mm512_cmpgt_epu8_mask(largest, largest_allowed) != 0 {
-            // The group's largest magnitude was found at or above `m`, so `position` finds it.
-            let first = group
-                .iter()
-                .position(|&b| b & 7 >= m || (b >> 4) & 7 >= m)
-                .unwrap_or(0);
-            return Some(g * GROUP_CODES / 2 + first);
-        }
-        for (off, codes) in offsets.into_iter().zip(group.chunks_exact_mut(64)) {
-            let at = codes.as_mut_ptr() as *mut __m512i;
-            // SAFETY: `codes` holds the 64 bytes read and written; unaligned access.
-            let code = unsafe { _mm512_loadu_si512(at) };
-            let low = unlock(
+    let largest_allowed = _mm512_set1_epi8(m as i8 - 1);
+    let high_nibbles = |v: __m512i| _mm512_and_si512(_mm512_srli_epi16::<4>(v), nibble);
+    each_group(
+        stream,
+        data,
+        GROUP_CODES / 2,
+        |words| {
+            let off = |i: usize| offsets(words[i], span_words);
+            // Lane b of octet p: the offsets of codes 16b + 8p .. 16b + 8p + 8, a nibble
+            // each, as the codes sit in memory.
+            transpose_octets(std::array::from_fn(|p| {
+                let mut packed = off(8 * p);
+                for i in 1..8 {
+                    packed = _mm512_or_si512(
+                        packed,
+                        _mm512_sllv_epi32(off(8 * p + i), _mm512_set1_epi32(4 * i as i32)),
+                    );
+                }
+                packed
+            }))
+        },
+        |group| {
+            let largest = group.iter().fold(_mm512_setzero_si512(), |largest, &code| {
+                let low = _mm512_and_si512(code, codes.magnitude);
+                let high = _mm512_and_si512(high_nibbles(code), codes.magnitude);
+                _mm512_max_epu8(largest, _mm512_max_epu8(low, high))
+            });
+            _mm512_cmpgt_epu8_mask(largest, largest_allowed) != 0
+        },
+        |group| Fp4Pair::first_outside(group, m.into()),
+        |code, off| {
+            let low = codes.unlock(
                 _mm512_and_si512(code, nibble),
                 _mm512_and_si512(off, nibble),
             );
-            let high = unlock(
-                _mm512_and_si512(_mm512_srli_epi16::<4>(code), nibble),
-                _mm512_and_si512(_mm512_srli_epi16::<4>(off), nibble),
-            );
+            let high = codes.unlock(high_nibbles(code), high_nibbles(off));
             // Each byte of `high` is below 16: a 16-bit lane shifted left by 4 keeps it in
             // its byte.
-            let out = _mm512_or_si512(low, _mm512_slli_epi16::<4>(high));
-            // SAFETY: as the load.
-            unsafe { _mm512_storeu_si512(at, out) };
-        }
-    }
-    None
+            _mm512_or_si512(low, _mm512_slli_epi16::<4>(high))
+        },
+    )
 }
 
 const CONSTANTS: [i32; 4] = [0x6170_7865, 0x3320_646e, 0x7962_2d32, 0x6b20_6574];
