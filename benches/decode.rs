@@ -143,6 +143,11 @@ fn cases() -> Vec<Case> {
         first_unit: 0,
         through_stream_buffer: false,
     };
+    // The same data through the general path, beside a case the fused kernel serves.
+    let through_buffer = |label, version, codec, plain| Case {
+        through_stream_buffer: true,
+        ..case(label, version, codec, plain)
+    };
     let mut out = Vec::new();
     use Version::{V1, V2};
     out.push(case(
@@ -160,15 +165,12 @@ fn cases() -> Vec<Case> {
             floats(Dtype::BF16, false, BUF),
         )
     });
-    out.push(Case {
-        through_stream_buffer: true,
-        ..case(
-            "v2 float BF16, stream through a buffer (no fused kernel)",
-            V2,
-            float(Dtype::BF16),
-            floats(Dtype::BF16, false, BUF),
-        )
-    });
+    out.push(through_buffer(
+        "v2 float BF16, stream through a buffer (no fused kernel)",
+        V2,
+        float(Dtype::BF16),
+        floats(Dtype::BF16, false, BUF),
+    ));
     out.push(case(
         "v2 float F16",
         V2,
@@ -193,15 +195,12 @@ fn cases() -> Vec<Case> {
         float(Dtype::F8_E4M3),
         floats(Dtype::F8_E4M3, false, BUF),
     ));
-    out.push(Case {
-        through_stream_buffer: true,
-        ..case(
-            "v2 float F8_E4M3, stream through a buffer (no fused kernel)",
-            V2,
-            float(Dtype::F8_E4M3),
-            floats(Dtype::F8_E4M3, false, BUF),
-        )
-    });
+    out.push(through_buffer(
+        "v2 float F8_E4M3, stream through a buffer (no fused kernel)",
+        V2,
+        float(Dtype::F8_E4M3),
+        floats(Dtype::F8_E4M3, false, BUF),
+    ));
     out.push(case(
         "v2 e8m0 F8_E8M0",
         V2,
@@ -226,15 +225,12 @@ fn cases() -> Vec<Case> {
         Codec::Fp4x2,
         pseudo_random(13, BUF),
     ));
-    out.push(Case {
-        through_stream_buffer: true,
-        ..case(
-            "v2 e2m1x2 U8 (FP4), stream through a buffer (no fused kernel)",
-            V2,
-            Codec::Fp4x2,
-            pseudo_random(13, BUF),
-        )
-    });
+    out.push(through_buffer(
+        "v2 e2m1x2 U8 (FP4), stream through a buffer (no fused kernel)",
+        V2,
+        Codec::Fp4x2,
+        pseudo_random(13, BUF),
+    ));
     out.push(case(
         "v1 BF16",
         V1,

@@ -59,10 +59,13 @@ impl Codes {
     }
 }
 
-/// Whether this CPU runs the kernel.
+/// Whether this CPU runs the kernel, asked once.
 pub(super) fn available() -> bool {
-    std::arch::is_x86_feature_detected!("avx512f")
-        && std::arch::is_x86_feature_detected!("avx512bw")
+    static AVAILABLE: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    *AVAILABLE.get_or_init(|| {
+        std::arch::is_x86_feature_detected!("avx512f")
+            && std::arch::is_x86_feature_detected!("avx512bw")
+    })
 }
 
 /// Unlocks `data`, whole groups of one tensor's `codes`, the first of them unit `first_unit`

@@ -265,8 +265,7 @@ impl TensorLock {
 /// where the general path runs at 3.5 (`cargo bench --bench decode`, F32 and I32).
 #[cfg(target_arch = "x86_64")]
 fn fused_codes(version: Version, codec: Codec, span: u64) -> Option<fused::Codes> {
-    static AVAILABLE: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
-    if version != Version::V2 || !*AVAILABLE.get_or_init(fused::available) {
+    if version != Version::V2 || !fused::available() {
         return None;
     }
     match codec {
@@ -294,8 +293,7 @@ mod tests {
     #[test]
     fn fused_kernel_equals_the_general_path() {
         use safetensors::Dtype;
-        static AVAILABLE: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
-        if !*AVAILABLE.get_or_init(fused::available) {
+        if !fused::available() {
             eprintln!("no AVX-512 F and BW here: the fused kernel does not run on this CPU");
             return;
         }
