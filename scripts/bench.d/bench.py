@@ -16,7 +16,9 @@ Per round, for each data set (a lock-v2 BF16 shard, a lock-v1 F32/F8 shard):
    each on a fresh mount: open() and first-byte time; a tensor-parallel load (4 processes
    vs 1) with the daemon's CPU time; a read with the manifest checked and not. And the
    decode alone (`bench-shard decode`: the sealed shard unlocked in memory on all cores),
-   the floor under any read that decodes as it serves (report.py: each target's ceiling).
+   the floor under any read that decodes as it serves (report.py: each target's ceiling);
+   and the default mode's read in its parts, each alone: the decoded copy made with no
+   reader, then served whole through FUSE (the floor of this design's read at once).
 2. True cold (loadtime.py): caches dropped before each mount; the whole shard read, the
    first 4 KiB timed apart; the same after 5 s between mount and open; on the v2 set, a
    loader's view (header, then every tensor by pread, mmap, O_DIRECT, io_uring).
@@ -47,7 +49,8 @@ from host import (GEN, KLLM, KLLM_MODES, KLLMS, METRICS, MiB, PASS, READY_REPS, 
                   ROOT, SYSTEMS, TARGET, TP_WORLD, WARM_PASSES, become_subreaper, catalog_manifest,
                   drop_caches, foreign_drop_count, fs_type, kllm_status, log, process_cpu_seconds,
                   busy_seconds, run, unmount, warm)
-from readers import read_conc, read_mmap, read_seq, safetensors_tensors, scatter, tensor_parallel_load
+from readers import (read_conc, read_fd, read_mmap, read_seq, safetensors_tensors, scatter,
+                     tensor_parallel_load, touch_fd)
 from report import machine_info, report
 
 
@@ -335,6 +338,32 @@ class Bench:
         r = json.loads(out)
         res["decode_alone"].update(decode=r["bytes"] / r["best_s"] / MiB, mib=r["bytes"] / MiB)
 
+    def copy_alone(self, ds, res):
+        """The parts of a read at once in the default mode, each alone: the decoded copy made
+        with no reader (files cached, fresh mount, the shard opened and not read until its
+        copy is complete: the fill's own time from the daemon's log), then the same handle
+        served whole through FUSE from the complete copy (the serving alone): by 1 MiB
+        preads, and by mmap page-touch (through the FUSE page cache). A read that leaves the
+        copy a reopen is served from does the fill's work and the serving's on the same
+        cores, so fill + serving / cores is the floor of this design's read."""
+        s = "kllm"
+        warm(self.underlying(s, ds))
+        self.mount(s, ds)
+        try:
+            fd = os.open(self.path(s, ds), os.O_RDONLY)
+            try:
+                fill_ms = self.last_decode_ms(s, ds)
+                if fill_ms is None:
+                    return
+                n, dt = read_fd(fd)
+                _, mmap_dt = touch_fd(fd)
+            finally:
+                os.close(fd)
+        finally:
+            self.umount(s, ds)
+        res["copy_alone"].update(fill_ms=fill_ms, serve_ms=dt * 1000, mmap_ms=mmap_dt * 1000,
+                                 mib=n / MiB)
+
     def open_test(self, s, ds, res):
         """open() of the shard on a fresh mount (in passthrough the whole decode happens
         here), and the time until its first 4 KiB arrive."""
@@ -415,7 +444,8 @@ class Bench:
         for ds, d in self.data.items():
             res = {m: {} for m in METRICS + ["warm", "warm_raw", "cpu_s_per_gib", "seq_s",
                                              "daemon_cpu_s_per_gib", "decode_ms", "open_ms",
-                                             "ttfb_ms", "open_decode_ms", "decode_alone"]}
+                                             "ttfb_ms", "open_decode_ms", "decode_alone",
+                                             "copy_alone"]}
             for k in ("tp_cpu_s", "tp_mibps", "verify", "verify_bytes"):
                 res[k] = {s: {} for s in KLLMS}
 
@@ -435,6 +465,7 @@ class Bench:
                     undisturbed(f"{metric} {s}", lambda: self.measure_one(metric, s, ds, res))
             undisturbed("warm ceiling", lambda: self.measure_warm_ceiling(ds, res))
             self.decode_alone(ds, res)
+            undisturbed("copy alone", lambda: self.copy_alone(ds, res))
             for s in order:
                 undisturbed(f"open {s}", lambda: self.open_test(s, ds, res))
             worlds = (1, TP_WORLD) if r % 2 == 0 else (TP_WORLD, 1)

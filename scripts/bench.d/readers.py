@@ -31,6 +31,34 @@ def read_seq(path, start=0, length=None):
         os.close(fd)
 
 
+def read_fd(fd):
+    """Read open descriptor `fd` whole in READ-byte preads; returns (bytes, seconds)."""
+    t0 = time.perf_counter()
+    buf = bytearray(READ)
+    mv = memoryview(buf)
+    off = 0
+    while True:
+        n = os.preadv(fd, [mv], off)
+        if n <= 0:
+            return off, time.perf_counter() - t0
+        off += n
+
+
+def touch_fd(fd):
+    """Map open descriptor `fd` and touch one byte of every 4 KiB page, in order; returns
+    (bytes, seconds)."""
+    t0 = time.perf_counter()
+    size = os.fstat(fd).st_size
+    m = mmap.mmap(fd, size, prot=mmap.PROT_READ)
+    mv = memoryview(m)
+    touched = bytes(mv[::4096])
+    mv.release()
+    m.close()
+    dt = time.perf_counter() - t0
+    assert len(touched) == (size + 4095) // 4096
+    return size, dt
+
+
 def read_mmap(path):
     """Map the file and touch one byte of every 4 KiB page, in order (as a safetensors
     mmap load does); returns (bytes, seconds), the open included."""
