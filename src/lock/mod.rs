@@ -318,6 +318,12 @@ mod tests {
                 Codec::E8m0 => (8, 0, 255),
                 Codec::Index { bytes } => (8 * bytes as u32, 0, 1u64 << (8 * bytes - 1).min(31)),
             };
+            // Codes of a unit's width run below this: the sign bit, or every bit.
+            let widest = if sign != 0 {
+                sign
+            } else {
+                1u64 << bits.min(31)
+            };
             for round in 0..80 {
                 let m = match round % 4 {
                     0 => limit,
@@ -353,11 +359,6 @@ mod tests {
                 };
                 let per_unit = codec.codes_per_unit() as u32;
                 let unit_of = |rng: &mut crate::testkit::SplitMix, bad: bool| {
-                    let widest = if sign != 0 {
-                        sign
-                    } else {
-                        1u64 << bits.min(31)
-                    };
                     let bad_code = rng.below(u64::from(per_unit));
                     (0..per_unit).fold(0u64, |acc, c| {
                         let v = if bad && u64::from(c) == bad_code {
@@ -381,12 +382,7 @@ mod tests {
                     fused == general,
                     "{codec:?} m {m:#x} from {first}: bytes differ"
                 );
-                let room = if sign != 0 {
-                    sign
-                } else {
-                    1u64 << bits.min(31)
-                };
-                if units > 0 && m < room {
+                if units > 0 && m < widest {
                     let bad = rng.below(units as u64) as usize;
                     let v = unit_of(&mut rng, true);
                     sealed[unit * bad..unit * (bad + 1)].copy_from_slice(&v.to_le_bytes()[..unit]);
