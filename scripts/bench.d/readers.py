@@ -15,43 +15,36 @@ def read_seq(path, start=0, length=None):
     t0 = time.perf_counter()
     fd = os.open(path, os.O_RDONLY)
     try:
-        size = os.fstat(fd).st_size
-        end = size if length is None else min(size, start + length)
-        buf = bytearray(READ)
-        mv = memoryview(buf)
-        off, total = start, 0
-        while off < end:
-            n = os.preadv(fd, [mv[: min(READ, end - off)]], off)
-            if n <= 0:
-                raise IOError(f"{path}: short read at {off}")
-            off += n
-            total += n
-        return total, time.perf_counter() - t0
+        return read_fd(fd, start, length, name=path)[0], time.perf_counter() - t0
     finally:
         os.close(fd)
 
 
-def read_fd(fd):
-    """Read open descriptor `fd` whole in READ-byte preads; returns (bytes, seconds)."""
+def read_fd(fd, start=0, length=None, name=None):
+    """Sequential READ-byte preads of open descriptor `fd` into one buffer, from `start` to
+    the file's end or `length` bytes on; returns (bytes, seconds)."""
     t0 = time.perf_counter()
+    size = os.fstat(fd).st_size
+    end = size if length is None else min(size, start + length)
     buf = bytearray(READ)
     mv = memoryview(buf)
-    off = 0
-    while True:
-        n = os.preadv(fd, [mv], off)
+    off = start
+    while off < end:
+        n = os.preadv(fd, [mv[: min(READ, end - off)]], off)
         if n <= 0:
-            return off, time.perf_counter() - t0
+            raise IOError(f"{name or f'descriptor {fd}'}: short read at {off}")
         off += n
+    return off - start, time.perf_counter() - t0
 
 
 def touch_fd(fd):
-    """Map open descriptor `fd` and touch one byte of every 4 KiB page, in order; returns
-    (bytes, seconds)."""
+    """Map open descriptor `fd` and touch one byte of every 4 KiB page, in order (as a
+    safetensors mmap load does); returns (bytes, seconds)."""
     t0 = time.perf_counter()
     size = os.fstat(fd).st_size
     m = mmap.mmap(fd, size, prot=mmap.PROT_READ)
     mv = memoryview(m)
-    touched = bytes(mv[::4096])
+    touched = bytes(mv[::4096])  # one byte per page, copied in C
     mv.release()
     m.close()
     dt = time.perf_counter() - t0
@@ -60,20 +53,11 @@ def touch_fd(fd):
 
 
 def read_mmap(path):
-    """Map the file and touch one byte of every 4 KiB page, in order (as a safetensors
-    mmap load does); returns (bytes, seconds), the open included."""
+    """`touch_fd` of `path`; returns (bytes, seconds), the open included."""
     t0 = time.perf_counter()
     fd = os.open(path, os.O_RDONLY)
     try:
-        size = os.fstat(fd).st_size
-        m = mmap.mmap(fd, size, prot=mmap.PROT_READ)
-        mv = memoryview(m)
-        touched = bytes(mv[::4096])  # one byte per page, copied in C
-        mv.release()
-        m.close()
-        dt = time.perf_counter() - t0
-        assert len(touched) == (size + 4095) // 4096
-        return size, dt
+        return touch_fd(fd)[0], time.perf_counter() - t0
     finally:
         os.close(fd)
 
