@@ -30,7 +30,7 @@ use std::fs::File;
 use std::io;
 use std::panic::AssertUnwindSafe;
 use std::sync::atomic::{AtomicBool, Ordering};
-use std::sync::{Arc, OnceLock};
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use parking_lot::{Condvar, Mutex};
@@ -40,7 +40,18 @@ use crate::memfs::{MemoryFile, MemoryFs, Reservation};
 use crate::view::{Ino, View};
 use crate::ReadError;
 
+mod input;
+mod pools;
 mod sealed_reader;
+
+use input::disk_look;
+pub use input::{
+    CheckFn, DecodeFn, DiskLook, FetchFn, Input, PrefetchFn, RangeDoneFn, RangeFn, RangeLookFn,
+    SealFn, Steps, Target,
+};
+pub(crate) use pools::ahead_pool;
+use pools::{beside_hash_pool, take_piece_buffer, WRITE_PIECE};
+pub use pools::{drain_piece_buffers, PIECE_BUFFERS};
 use sealed_reader::SealedReader;
 
 /// Bytes decoded as one step: large enough to spread over all cores, small enough that a
@@ -74,143 +85,6 @@ const AWAITED_START: u64 = 2 * CHUNK;
 /// served before the verdict, so their order does not matter, and the hash need not stop
 /// for an unlock that lags.
 const UNLOCKS_BEHIND_HASH: usize = 2;
-/// The bytes a chunk made from the page cache (`Inner::write_decoded`) is decoded and
-/// written in at a time: small enough to stay in a core's cache between the two, and a
-/// multiple of every allocation step, so each write fills whole folios (of a folio that a
-/// write leaves in part, the kernel clears the rest).
-const WRITE_PIECE: u64 = 2 << 20;
-/// The most piece buffers made (16 MiB): more pieces at once than that (a machine of more
-/// than 4 cores) are fetched into place and unlocked there, as chunks from the disk are.
-pub const PIECE_BUFFERS: usize = 8;
-
-/// Decoded bytes of the file at an offset, any range (the view's read path).
-pub type DecodeFn = dyn Fn(u64, &mut [u8]) -> Result<(), ReadError> + Send + Sync;
-/// The file's integrity verdict; the first call hashes it, later ones return the verdict.
-pub type CheckFn = dyn Fn() -> Result<(), ReadError> + Send + Sync;
-/// A hint that the sealed bytes of `[off, off + len)` are about to be read.
-pub type PrefetchFn = dyn Fn(u64, u64) + Send + Sync;
-/// Turns the filled, writable file into the read-only file handed to the kernel.
-pub type SealFn = dyn FnOnce(File) -> io::Result<MemoryFile> + Send;
-
-/// Where a fill's bytes go: a writable file, allocated chunk by chunk in file order (the
-/// page size follows the step), and what turns it into the file the kernel gets.
-pub struct Target {
-    pub file: File,
-    pub len: u64,
-    pub steps: Steps,
-    pub seal: Box<SealFn>,
-    /// The budget claimed for the file, given back when the fill is dropped.
-    pub reservation: Option<crate::memfs::Reservation>,
-}
-
-/// Allocation steps (see `memfs::allocate_range`), which set the folio size, by the fill's
-/// priority.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub struct Steps {
-    /// While no one waits (decode ahead): large folios. On a VM whose host takes back the
-    /// free blocks the guest reports, they are made of the memory that is dear to touch,
-    /// which leaves the memory the host still backs to the processes that wait meanwhile
-    /// (an engine importing, then loading); and they read back a little faster.
-    pub ahead: u64,
-    /// Decode ahead of sealed bytes in the page cache (`Input::in_page_cache`): the folios
-    /// of the free blocks a VM's guest reports (see `memfs::Pages`).
-    pub ahead_cached: u64,
-    /// When an open or a read waits: folios made of memory the host still backs (see
-    /// `memfs::Pages`).
-    pub demand: u64,
-}
-
-impl Steps {
-    /// The steps of a private memory's page size.
-    pub fn of(pages: crate::memfs::Pages) -> Steps {
-        Steps {
-            ahead: pages.background_step(),
-            ahead_cached: pages.cached_background_step(),
-            demand: pages.step(),
-        }
-    }
-
-    /// One step whatever the priority.
-    pub fn same(step: u64) -> Steps {
-        Steps {
-            ahead: step,
-            ahead_cached: step,
-            demand: step,
-        }
-    }
-}
-
-/// Brings the sealed bytes at an offset into a buffer, to be unlocked in place.
-pub type FetchFn = dyn Fn(u64, &mut [u8]) -> io::Result<()> + Send + Sync;
-
-/// Where a fill's bytes come from.
-pub struct Input {
-    /// The sealed bytes of a chunk into its place in the copy.
-    pub fetch: Box<FetchFn>,
-    /// The fetched bytes of a chunk turned into view bytes in place.
-    pub unlock: Box<DecodeFn>,
-    /// View bytes of any range, for reads of chunks that failed.
-    pub decode: Box<DecodeFn>,
-    pub check: Option<Arc<CheckFn>>,
-    pub prefetch: Option<Box<PrefetchFn>>,
-    /// Whether other processes read the disk that `fetch` of `[off, off + len)` reads
-    /// from, since it was last asked: decode ahead then fetches in pieces of
-    /// `BACKGROUND_PIECE`, each once the disk is quiet (`disk_share::yield_to_others`). `None`:
-    /// fetched whole whatever the priority (a source that is not a local disk).
-    pub disk_shared: Option<Box<RangeLookFn>>,
-    /// Whether the sealed bytes of `[off, off + len)` are in the page cache (a local file):
-    /// such a chunk is decoded from there and written into place (`Inner::write_decoded`)
-    /// rather than fetched, and decode ahead reads them at memory speed, so it has time to
-    /// take the folios that are dear to touch (`Steps::ahead_cached`). `None`: never (any
-    /// other source).
-    pub in_page_cache: Option<Box<RangeFn>>,
-    /// How many chunks may be fetched at once, each by a fetcher thread straight into its
-    /// place, ahead of the unlock (a local disk: a few; a remote source: many GETs in
-    /// flight). 1: one fetch at a time, none beside an unlock (a source with nothing to
-    /// fetch).
-    pub fetch_ahead: usize,
-    /// Fed each chunk's fetched (sealed) bytes in file order, so the file's check need not
-    /// read them again. Given up if chunks come out of order (they do not before the
-    /// verdict: no reader moves the decoder until then) or one fails.
-    pub digest: Option<crate::digest::DigestFeeder>,
-    /// Called once the copy is complete (every chunk in, the verdict good), before it is
-    /// handed out: nothing reads the sealed bytes any more.
-    pub completed: Option<Box<dyn Fn() + Send + Sync>>,
-    /// Called once a chunk made by `decode` from sealed bytes in the page cache
-    /// (`in_page_cache`) is in the copy: a local file lets their pages go, as its `fetch`
-    /// does for the chunks it brings into place.
-    pub decoded_from_cache: Option<Arc<RangeDoneFn>>,
-}
-
-#[cfg(test)]
-impl Input {
-    /// A source whose chunks `make` makes alone (nothing fetched, no check, on no disk);
-    /// tests set the fields they are about and take the rest from here.
-    pub(crate) fn made_by(
-        make: impl Fn(u64, &mut [u8]) -> Result<(), ReadError> + Send + Sync + 'static,
-    ) -> Input {
-        let make = Arc::new(make);
-        let unlock = make.clone();
-        Input {
-            fetch: Box::new(|_, _| Ok(())),
-            unlock: Box::new(move |off, buf| unlock(off, buf)),
-            decode: Box::new(move |off, buf| make(off, buf)),
-            check: None,
-            prefetch: None,
-            disk_shared: None,
-            in_page_cache: None,
-            fetch_ahead: 1,
-            digest: None,
-            completed: None,
-            decoded_from_cache: None,
-        }
-    }
-}
-
-/// A question about the sealed bytes of `[off, off + len)`.
-pub type RangeFn = dyn Fn(u64, u64) -> bool + Send + Sync;
-/// Word that the sealed bytes of `[off, off + len)` are done with.
-pub type RangeDoneFn = dyn Fn(u64, u64) + Send + Sync;
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Priority {
@@ -226,21 +100,6 @@ enum Chunk {
     Busy,
     Done,
     Failed,
-}
-
-/// A look at the disk for a fetch of `[off, off + len)` (see [`Input::disk_shared`]).
-pub type RangeLookFn = dyn Fn(u64, u64) -> DiskLook + Send + Sync;
-
-/// What others did on the disk a fill reads, since the last look.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum DiskLook {
-    /// No one else read it.
-    Alone,
-    /// Others read it.
-    OthersRead,
-    /// Not to be told (no block device behind the file system): read in pieces, but
-    /// without waiting for a quiet disk, which would never be seen.
-    Unknown,
 }
 
 /// Where a fill stands, for the open path and the logs.
@@ -1383,38 +1242,6 @@ impl State {
     }
 }
 
-/// The pool decode-ahead runs on: as many threads as cores, each in the background, so an
-/// engine starting up (and any reader) keeps the cores it needs.
-pub(crate) fn ahead_pool() -> Option<&'static rayon::ThreadPool> {
-    static POOL: OnceLock<Option<rayon::ThreadPool>> = OnceLock::new();
-    POOL.get_or_init(|| {
-        rayon::ThreadPoolBuilder::new()
-            .thread_name(|i| format!("kllm-ahead-{i}"))
-            .start_handler(|_| {
-                // SAFETY: gettid has no preconditions.
-                run_in_background(unsafe { libc::gettid() }, true)
-            })
-            .build()
-            .map_err(|e| log::warn!("no decode-ahead pool ({e}); decoding ahead at full priority"))
-            .ok()
-    })
-    .as_ref()
-}
-
-/// The look at the disk for a fetch whose bytes are mostly in the page cache (`cached`:
-/// it reads no disk, so it need not yield) or else the bytes others read since the last
-/// look (`others_read`: `None` where the disk cannot tell).
-fn disk_look(cached: bool, others_read: impl FnOnce() -> Option<u64>) -> DiskLook {
-    if cached {
-        return DiskLook::Alone;
-    }
-    match others_read() {
-        Some(0) => DiskLook::Alone,
-        Some(_) => DiskLook::OthersRead,
-        None => DiskLook::Unknown,
-    }
-}
-
 /// Ends the fill as broken if its dispatcher ends without ending it (an unwinding panic
 /// outside a chunk's fetch and unlock: the verdict, the seal): the chunks it left are
 /// failed, so their reads decode their own range and an open serves through FUSE, where
@@ -1454,76 +1281,6 @@ impl Drop for HashEnded {
             let _s = i.state.lock();
             i.hashing.store(false, Ordering::Relaxed);
             i.changed.notify_all();
-        }
-    }
-}
-
-/// The pool that unlocks a fill someone waits for while the file's hash runs: one thread
-/// fewer than the cores the decode has (at least one).
-fn beside_hash_pool() -> Option<&'static rayon::ThreadPool> {
-    static POOL: OnceLock<Option<rayon::ThreadPool>> = OnceLock::new();
-    POOL.get_or_init(|| {
-        rayon::ThreadPoolBuilder::new()
-            .num_threads(rayon::current_num_threads().saturating_sub(1).max(1))
-            .thread_name(|i| format!("kllm-unlock-{i}"))
-            .build()
-            .map_err(|e| log::warn!("no pool beside the hash ({e}); unlocking on every core"))
-            .ok()
-    })
-    .as_ref()
-}
-
-/// The buffers [`Inner::write_decoded`] decodes pieces into, kept for the next pieces
-/// (fresh, each would cost its pages' first touch); locked, as they hold view bytes. At most
-/// [`PIECE_BUFFERS`] are made, so the daemon's working memory does not grow with its cores
-/// (`budget::headroom` counts them).
-static PIECE_BUFFERS_FREE: Mutex<Vec<crate::secmem::SecureBuf>> = Mutex::new(Vec::new());
-static PIECE_BUFFERS_MADE: std::sync::atomic::AtomicUsize = std::sync::atomic::AtomicUsize::new(0);
-
-/// A piece buffer, if one is free or may still be made.
-fn take_piece_buffer() -> Option<PieceBuffer> {
-    if let Some(b) = PIECE_BUFFERS_FREE.lock().pop() {
-        return Some(PieceBuffer(Some(b)));
-    }
-    let made = PIECE_BUFFERS_MADE.fetch_add(1, Ordering::Relaxed);
-    let buf = (made < PIECE_BUFFERS)
-        .then(|| crate::secmem::SecureBuf::new(WRITE_PIECE as usize).ok())
-        .flatten();
-    if buf.is_none() {
-        PIECE_BUFFERS_MADE.fetch_sub(1, Ordering::Relaxed);
-    }
-    buf.map(|b| PieceBuffer(Some(b)))
-}
-
-/// Free the piece buffers no decode holds (memory pressure), wiped; as many are made again
-/// as pieces need them. Returns their bytes.
-pub fn drain_piece_buffers() -> u64 {
-    let drained = std::mem::take(&mut *PIECE_BUFFERS_FREE.lock());
-    PIECE_BUFFERS_MADE.fetch_sub(drained.len(), Ordering::Relaxed);
-    drained.len() as u64 * WRITE_PIECE
-}
-
-/// A piece buffer taken; back among the free ones when dropped, a decode that panicked
-/// included.
-struct PieceBuffer(Option<crate::secmem::SecureBuf>);
-
-impl std::ops::Deref for PieceBuffer {
-    type Target = [u8];
-    fn deref(&self) -> &[u8] {
-        self.0.as_deref().expect("a live piece buffer")
-    }
-}
-
-impl std::ops::DerefMut for PieceBuffer {
-    fn deref_mut(&mut self) -> &mut [u8] {
-        self.0.as_deref_mut().expect("a live piece buffer")
-    }
-}
-
-impl Drop for PieceBuffer {
-    fn drop(&mut self) {
-        if let Some(b) = self.0.take() {
-            PIECE_BUFFERS_FREE.lock().push(b);
         }
     }
 }

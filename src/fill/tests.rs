@@ -1173,7 +1173,7 @@ fn cached_chunks_are_decoded_and_written_not_fetched() {
 static PIECE_BUFFERS_TURN: Mutex<()> = Mutex::new(());
 
 /// Every piece buffer, including those other tests' fills hold for a moment.
-fn every_piece_buffer(what: &str) -> Vec<super::PieceBuffer> {
+fn every_piece_buffer(what: &str) -> Vec<super::pools::PieceBuffer> {
     let mut held = Vec::new();
     wait_until(30, what, || {
         held.extend(std::iter::from_fn(super::take_piece_buffer));
