@@ -237,6 +237,12 @@ fn cases() -> Vec<Case> {
         float(Dtype::BF16),
         floats(Dtype::BF16, false, BUF),
     ));
+    out.push(through_buffer(
+        "v1 BF16, stream through a buffer (no fused kernel)",
+        V1,
+        float(Dtype::BF16),
+        floats(Dtype::BF16, false, BUF),
+    ));
     out.push(case(
         "v1 F32",
         V1,
@@ -245,6 +251,12 @@ fn cases() -> Vec<Case> {
     ));
     out.push(case(
         "v1 F8_E4M3",
+        V1,
+        float(Dtype::F8_E4M3),
+        floats(Dtype::F8_E4M3, false, BUF),
+    ));
+    out.push(through_buffer(
+        "v1 F8_E4M3, stream through a buffer (no fused kernel)",
         V1,
         float(Dtype::F8_E4M3),
         floats(Dtype::F8_E4M3, false, BUF),

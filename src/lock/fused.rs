@@ -1,6 +1,7 @@
-//! Lock v2's codes of 16 bits or fewer (BF16, F16, I16 tables, FP8 floats, E8M0 scales, FP4
-//! pairs) unlocked as their ChaCha20 blocks are made, on AVX-512: the key stream never leaves
-//! the registers.
+//! Codes of 16 bits or fewer unlocked as their key stream is made, on AVX-512: the stream
+//! never leaves the registers. Lock v2's (BF16, F16, I16 tables, FP8 floats, E8M0 scales, FP4
+//! pairs) as their ChaCha20 blocks are made; lock v1's floats (BF16, F16, FP8) as their
+//! AES-256-CTR blocks are made by VAES (`super::vaes::Blocks512`).
 //!
 //! Why: these are most of a checkpoint's bytes, and each plain byte takes two (16-bit codes),
 //! four (8-bit) or eight (FP4 pairs) bytes of key stream. The general path writes the stream
@@ -12,9 +13,14 @@
 //! 16 x 16, and no stream in memory. (32-bit codes would need the whole 16 x 16 transpose of
 //! their offsets, and keep the general path.)
 //!
-//! The arithmetic is `arith`'s: code `j` of the tensor takes stream word `j` (word `j % 16` of
-//! block `j / 16`), `off = (word * span) >> 32`, `plain = (index - off) mod span`. The tests
-//! compare every byte with the general path at any position and domain.
+//! AES-256-CTR makes its blocks in the stream's order, four to a vector, so a vector of words is
+//! the offsets of 16 consecutive codes: they are only packed to the codes' width (v1's group is
+//! 64 codes, 16 blocks).
+//!
+//! The arithmetic is `arith`'s: code `j` of the tensor takes stream word `j` (for ChaCha20
+//! word `j % 16` of block `j / 16`, for AES word `j % 4` of block `j / 4`),
+//! `off = (word * span) >> 32`, `plain = (index - off) mod span`. The tests compare every byte
+//! with the general path at any position and domain, for both versions.
 
 use std::arch::x86_64::*;
 
@@ -22,8 +28,61 @@ use zeroize::Zeroize;
 
 use super::lanes::{Fp4Pair, Kind, SignMagnitude, Unsigned};
 
-/// Codes per group: 16 blocks of 16 words, one word a code.
+/// Codes per group of lock v2: 16 ChaCha20 blocks of 16 words, one word a code.
 const GROUP_CODES: usize = 256;
+/// Codes per group of lock v1: 16 AES blocks of 4 words.
+const AES_GROUP_CODES: usize = 64;
+
+/// The key stream a kernel makes.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(super) enum Cipher {
+    /// Lock v2.
+    ChaCha20,
+    /// Lock v1 (floats only: `Codes::Float16` and `Codes::Float8`).
+    Aes256Ctr,
+}
+
+impl Cipher {
+    /// Whether this CPU runs the kernels of this cipher, asked once.
+    pub(super) fn available(self) -> bool {
+        static AVX512: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+        let avx512 = *AVX512.get_or_init(|| {
+            std::arch::is_x86_feature_detected!("avx512f")
+                && std::arch::is_x86_feature_detected!("avx512bw")
+        });
+        match self {
+            Cipher::ChaCha20 => avx512,
+            Cipher::Aes256Ctr => super::vaes::Width::Bits512.available(),
+        }
+    }
+}
+
+/// A kernel: the codes it unlocks under the stream it makes.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(super) struct Kernel {
+    pub(super) cipher: Cipher,
+    pub(super) codes: Codes,
+}
+
+impl Kernel {
+    /// Bytes of a unit: a code, or a byte of two FP4 codes.
+    pub(super) fn unit_bytes(self) -> usize {
+        self.codes.unit_bytes()
+    }
+
+    /// Units a group takes: the kernel's step, and the alignment in the tensor its first
+    /// unit needs.
+    pub(super) fn group_units(self) -> u64 {
+        let codes = match self.cipher {
+            Cipher::ChaCha20 => GROUP_CODES,
+            Cipher::Aes256Ctr => AES_GROUP_CODES,
+        } as u64;
+        match self.codes {
+            Codes::Fp4Pairs => codes / 2,
+            _ => codes,
+        }
+    }
+}
 
 /// The codes the kernel unlocks.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -48,45 +107,43 @@ impl Codes {
             Codes::Float8 | Codes::Unsigned8 | Codes::Fp4Pairs => 1,
         }
     }
-
-    /// Units a group of 256 codes takes: the kernel's step, and the alignment in the tensor
-    /// its first unit needs.
-    pub(super) fn group_units(self) -> u64 {
-        match self {
-            Codes::Fp4Pairs => GROUP_CODES as u64 / 2,
-            _ => GROUP_CODES as u64,
-        }
-    }
 }
 
-/// Whether this CPU runs the kernel, asked once.
-pub(super) fn available() -> bool {
-    static AVAILABLE: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
-    *AVAILABLE.get_or_init(|| {
-        std::arch::is_x86_feature_detected!("avx512f")
-            && std::arch::is_x86_feature_detected!("avx512bw")
-    })
-}
-
-/// Unlocks `data`, whole groups of one tensor's `codes`, the first of them unit `first_unit`
-/// (a multiple of [`Codes::group_units`]), under the ChaCha20 key `key` and domain `m`
-/// (`span` as `codes` sets it). Returns the first unit outside the domain, counted from the
-/// start of `data`; the groups before it are unlocked, the rest left as they were (a caller
-/// drops the bytes on an error).
+/// Unlocks `data`, whole groups of one tensor's codes (`kernel`), the first of them unit
+/// `first_unit` (a multiple of [`Kernel::group_units`]), under the stream key `key` and domain
+/// `m` (`span` as the codes set it). Returns the first unit outside the domain, counted from
+/// the start of `data`; the groups before it are unlocked, the rest left as they were (a
+/// caller drops the bytes on an error).
 ///
 /// # Safety
-/// The CPU must have AVX-512 F and BW ([`available`]).
+/// The CPU must run the kernel's cipher ([`Cipher::available`]).
 #[target_feature(enable = "avx512f,avx512bw")]
 pub(super) unsafe fn unlock_groups(
-    codes: Codes,
+    kernel: Kernel,
     key: &[u8; 32],
     first_unit: u64,
     m: u64,
     data: &mut [u8],
 ) -> Option<usize> {
-    let group_units = codes.group_units();
+    let group_units = kernel.group_units();
     debug_assert_eq!(first_unit % group_units, 0);
-    debug_assert_eq!(data.len() % (group_units as usize * codes.unit_bytes()), 0);
+    debug_assert_eq!(data.len() % (group_units as usize * kernel.unit_bytes()), 0);
+    match kernel.cipher {
+        Cipher::ChaCha20 => unlock_chacha(kernel.codes, key, first_unit / group_units, m, data),
+        // SAFETY: the caller checked that the CPU has VAES and AES-NI too.
+        Cipher::Aes256Ctr => unsafe { unlock_aes(kernel.codes, key, first_unit, m, data) },
+    }
+}
+
+/// [`unlock_groups`] under ChaCha20, from group `group` of the tensor.
+#[target_feature(enable = "avx512f,avx512bw")]
+fn unlock_chacha(
+    codes: Codes,
+    key: &[u8; 32],
+    group: u64,
+    m: u64,
+    data: &mut [u8],
+) -> Option<usize> {
     let mut key_words = [0i32; 8];
     for (w, b) in key_words.iter_mut().zip(key.chunks_exact(4)) {
         *w = i32::from_le_bytes(b.try_into().expect("4 bytes"));
@@ -94,26 +151,26 @@ pub(super) unsafe fn unlock_groups(
     let mut key_vectors: [__m512i; 8] = std::array::from_fn(|i| _mm512_set1_epi32(key_words[i]));
     key_words.zeroize();
     // Units of a group start on a group of 16 blocks of the stream.
-    let stream = Stream {
+    let mut stream = ChaChaStream {
         key: &key_vectors,
-        block: first_unit / group_units * 16,
+        block: group * 16,
     };
     let outside = match codes {
         Codes::Float16 => {
             debug_assert!(2 * m < 1 << 16);
-            unlock_16::<true>(stream, m as u16, data)
+            unlock_16::<true, 8>(m as u16, data, |span| stream.offsets_16(span))
         }
         Codes::Unsigned16 => {
             debug_assert!(m <= 1 << 15);
-            unlock_16::<false>(stream, m as u16, data)
+            unlock_16::<false, 8>(m as u16, data, |span| stream.offsets_16(span))
         }
         Codes::Float8 => {
             debug_assert!(2 * m <= 1 << 8);
-            unlock_8::<true>(stream, m as u16, data)
+            unlock_8::<true, 4>(m as u16, data, |span| stream.offsets_8(span))
         }
         Codes::Unsigned8 => {
             debug_assert!(m <= 1 << 8);
-            unlock_8::<false>(stream, m as u16, data)
+            unlock_8::<false, 4>(m as u16, data, |span| stream.offsets_8(span))
         }
         Codes::Fp4Pairs => {
             debug_assert!(m <= 8);
@@ -124,13 +181,69 @@ pub(super) unsafe fn unlock_groups(
     outside
 }
 
+/// [`unlock_groups`] under AES-256-CTR: lock v1's floats.
+///
+/// # Safety
+/// The CPU must have VAES and AES-NI ([`Cipher::available`]).
+#[target_feature(enable = "avx512f,avx512bw,vaes,aes")]
+unsafe fn unlock_aes(
+    codes: Codes,
+    key: &[u8; 32],
+    first_unit: u64,
+    m: u64,
+    data: &mut [u8],
+) -> Option<usize> {
+    // Code `j` takes bytes `4j .. 4j + 4` of the stream: block `j / 4`.
+    let mut blocks = super::vaes::Blocks512::new(key, first_unit / 4);
+    match codes {
+        Codes::Float16 => {
+            debug_assert!(2 * m < 1 << 16);
+            unlock_16::<true, 2>(m as u16, data, |span| aes_offsets_16(&mut blocks, span))
+        }
+        Codes::Float8 => {
+            debug_assert!(2 * m <= 1 << 8);
+            unlock_8::<true, 1>(m as u16, data, |span| aes_offsets_8(&mut blocks, span))
+        }
+        Codes::Unsigned16 | Codes::Unsigned8 | Codes::Fp4Pairs => {
+            unreachable!("lock v1 locks floats only")
+        }
+    }
+}
+
+/// The offsets of the next 64 codes, 16-bit, 32 a vector in the codes' order.
+#[inline]
+#[target_feature(enable = "avx512f,avx512bw,vaes,aes")]
+fn aes_offsets_16(blocks: &mut super::vaes::Blocks512, span: __m512i) -> [__m512i; 2] {
+    let off = blocks.next_16().map(|words| offsets(words, span));
+    // A pack works within each 128-bit lane: lane q holds codes 4q .. 4q + 4 of the first
+    // vector, then of the second; the 64-bit permute puts the first's four before the
+    // second's.
+    let order = _mm512_setr_epi64(0, 2, 4, 6, 1, 3, 5, 7);
+    let packed = |a, b| _mm512_permutexvar_epi64(order, _mm512_packus_epi32(a, b));
+    [packed(off[0], off[1]), packed(off[2], off[3])]
+}
+
+/// The offsets of the next 64 codes, 8-bit, in the codes' order.
+#[inline]
+#[target_feature(enable = "avx512f,avx512bw,vaes,aes")]
+fn aes_offsets_8(blocks: &mut super::vaes::Blocks512, span: __m512i) -> [__m512i; 1] {
+    let off = blocks.next_16().map(|words| offsets(words, span));
+    // After two packs, 32-bit word 4q + v of the result holds codes 4q .. 4q + 4 of vector v.
+    let bytes = _mm512_packus_epi16(
+        _mm512_packus_epi32(off[0], off[1]),
+        _mm512_packus_epi32(off[2], off[3]),
+    );
+    let order = _mm512_setr_epi32(0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15);
+    [_mm512_permutexvar_epi32(order, bytes)]
+}
+
 /// The key stream of one tensor from a block on, 16 blocks (256 words) a step.
-struct Stream<'a> {
+struct ChaChaStream<'a> {
     key: &'a [__m512i; 8],
     block: u64,
 }
 
-impl Stream<'_> {
+impl ChaChaStream<'_> {
     /// The next 16 blocks' words, vector `i` lane `b` word `i` of block `b`: the word of
     /// code `16b + i` of the step.
     #[inline]
@@ -142,27 +255,56 @@ impl Stream<'_> {
         self.block += 16;
         chacha20_words(self.key, counter)
     }
+
+    /// The offsets of the next 256 codes, 16-bit, 32 a vector in the codes' order.
+    #[inline]
+    #[target_feature(enable = "avx512f")]
+    fn offsets_16(&mut self, span: __m512i) -> [__m512i; 8] {
+        let words = self.next_words();
+        let off = |i: usize| offsets(words[i], span);
+        // Lane b of pair p: the offsets of codes 16b + 2p and 16b + 2p + 1, as they sit in
+        // memory.
+        transpose_pairs(std::array::from_fn(|p| {
+            _mm512_or_si512(off(2 * p), _mm512_slli_epi32::<16>(off(2 * p + 1)))
+        }))
+    }
+
+    /// The offsets of the next 256 codes, 8-bit, 64 a vector in the codes' order.
+    #[inline]
+    #[target_feature(enable = "avx512f")]
+    fn offsets_8(&mut self, span: __m512i) -> [__m512i; 4] {
+        let words = self.next_words();
+        let off = |i: usize| offsets(words[i], span);
+        // Lane b of quad p: the offsets of codes 16b + 4p .. 16b + 4p + 4, as they sit in
+        // memory.
+        transpose_quads(std::array::from_fn(|p| {
+            let low = _mm512_or_si512(off(4 * p), _mm512_slli_epi32::<8>(off(4 * p + 1)));
+            let high = _mm512_or_si512(
+                _mm512_slli_epi32::<16>(off(4 * p + 2)),
+                _mm512_slli_epi32::<24>(off(4 * p + 3)),
+            );
+            _mm512_or_si512(low, high)
+        }))
+    }
 }
 
-/// The loop of every kernel, over groups of 256 codes (`N` vectors of `data`): the group's
-/// offsets in the codes' order (`offsets_of` the 16 blocks' words), every code of the group
-/// checked against the domain before any changes (`outside` of its vectors: one comparison a
-/// group; `first_outside` names the unit), then each vector unlocked in place (`unlock` of
-/// its codes and offsets). Returns the first unit outside the domain, counted from the start
-/// of `data`.
+/// The loop of every kernel, over groups of `N` vectors of `data`: the group's offsets in the
+/// codes' order (`next_offsets`, the stream's next step), every code of the group checked
+/// against the domain before any changes (`outside` of its vectors: one comparison a group;
+/// `first_outside` names the unit), then each vector unlocked in place (`unlock` of its codes
+/// and offsets). Returns the first unit outside the domain, counted from the start of `data`.
 #[inline]
 #[target_feature(enable = "avx512f,avx512bw")]
 fn each_group<const N: usize>(
-    mut stream: Stream<'_>,
     data: &mut [u8],
     units_per_group: usize,
-    offsets_of: impl Fn(&[__m512i; 16]) -> [__m512i; N],
+    mut next_offsets: impl FnMut() -> [__m512i; N],
     outside: impl Fn(&[__m512i; N]) -> bool,
     first_outside: impl Fn(&[u8]) -> Option<usize>,
     unlock: impl Fn(__m512i, __m512i) -> __m512i,
 ) -> Option<usize> {
     for (g, group) in data.chunks_exact_mut(64 * N).enumerate() {
-        let offsets = offsets_of(&stream.next_words());
+        let offsets = next_offsets();
         let codes: [__m512i; N] = std::array::from_fn(|k| {
             // SAFETY: the group holds `64 * N` bytes; unaligned access.
             unsafe { _mm512_loadu_si512(group[64 * k..].as_ptr() as *const __m512i) }
@@ -184,12 +326,16 @@ fn each_group<const N: usize>(
     None
 }
 
-/// 16-bit codes, 256 a group (8 vectors of 32): sign-magnitude floats when `SIGNED`
-/// (`span = 2m`), else unsigned values (`span = m`; a negative I16 reads as 2^15 or more,
-/// outside any domain).
+/// 16-bit codes, `N` vectors of 32 a group, their offsets from `next_offsets` (given the span
+/// in each 32-bit lane): sign-magnitude floats when `SIGNED` (`span = 2m`), else unsigned
+/// values (`span = m`; a negative I16 reads as 2^15 or more, outside any domain).
 #[inline]
 #[target_feature(enable = "avx512f,avx512bw")]
-fn unlock_16<const SIGNED: bool>(stream: Stream<'_>, m: u16, data: &mut [u8]) -> Option<usize> {
+fn unlock_16<const SIGNED: bool, const N: usize>(
+    m: u16,
+    data: &mut [u8],
+    mut next_offsets: impl FnMut(__m512i) -> [__m512i; N],
+) -> Option<usize> {
     let span = if SIGNED { 2 * m } else { m };
     let m_v = _mm512_set1_epi16(m as i16);
     let span_v = _mm512_set1_epi16(span as i16);
@@ -197,17 +343,9 @@ fn unlock_16<const SIGNED: bool>(stream: Stream<'_>, m: u16, data: &mut [u8]) ->
     let magnitude = _mm512_set1_epi16(if SIGNED { 0x7FFF } else { -1 });
     let to_negative = _mm512_set1_epi16(0x8000u16.wrapping_sub(m) as i16);
     each_group(
-        stream,
         data,
-        GROUP_CODES,
-        |words| {
-            let off = |i: usize| offsets(words[i], span_words);
-            // Lane b of pair p: the offsets of codes 16b + 2p and 16b + 2p + 1, as they sit
-            // in memory.
-            transpose_pairs(std::array::from_fn(|p| {
-                _mm512_or_si512(off(2 * p), _mm512_slli_epi32::<16>(off(2 * p + 1)))
-            }))
-        },
+        32 * N,
+        || next_offsets(span_words),
         |codes| {
             let largest = codes.iter().fold(_mm512_setzero_si512(), |largest, &code| {
                 _mm512_max_epu16(largest, _mm512_and_si512(code, magnitude))
@@ -289,32 +427,23 @@ impl ByteCodes {
     }
 }
 
-/// 8-bit codes, 256 a group (4 vectors of 64): sign-magnitude floats when `SIGNED`, else
-/// unsigned values ([`ByteCodes`]).
+/// 8-bit codes, `N` vectors of 64 a group, their offsets from `next_offsets`: sign-magnitude
+/// floats when `SIGNED`, else unsigned values ([`ByteCodes`]).
 #[inline]
 #[target_feature(enable = "avx512f,avx512bw")]
-fn unlock_8<const SIGNED: bool>(stream: Stream<'_>, m: u16, data: &mut [u8]) -> Option<usize> {
+fn unlock_8<const SIGNED: bool, const N: usize>(
+    m: u16,
+    data: &mut [u8],
+    mut next_offsets: impl FnMut(__m512i) -> [__m512i; N],
+) -> Option<usize> {
     let codes = ByteCodes::new(m as u8, SIGNED.then_some(0x80));
     let span = if SIGNED { 2 * m } else { m };
     let span_words = _mm512_set1_epi32(i32::from(span));
     let largest_allowed = _mm512_set1_epi8((m - 1) as u8 as i8);
     each_group(
-        stream,
         data,
-        GROUP_CODES,
-        |words| {
-            let off = |i: usize| offsets(words[i], span_words);
-            // Lane b of quad p: the offsets of codes 16b + 4p .. 16b + 4p + 4, as they sit
-            // in memory.
-            transpose_quads(std::array::from_fn(|p| {
-                let low = _mm512_or_si512(off(4 * p), _mm512_slli_epi32::<8>(off(4 * p + 1)));
-                let high = _mm512_or_si512(
-                    _mm512_slli_epi32::<16>(off(4 * p + 2)),
-                    _mm512_slli_epi32::<24>(off(4 * p + 3)),
-                );
-                _mm512_or_si512(low, high)
-            }))
-        },
+        64 * N,
+        || next_offsets(span_words),
         |group| {
             let largest = group.iter().fold(_mm512_setzero_si512(), |largest, &code| {
                 _mm512_max_epu8(largest, _mm512_and_si512(code, codes.magnitude))
@@ -333,17 +462,17 @@ fn unlock_8<const SIGNED: bool>(stream: Stream<'_>, m: u16, data: &mut [u8]) -> 
 /// code (`span = 2m <= 16`), the low nibble the earlier code, unlocked as a byte of its own.
 #[inline]
 #[target_feature(enable = "avx512f,avx512bw")]
-fn unlock_fp4(stream: Stream<'_>, m: u8, data: &mut [u8]) -> Option<usize> {
+fn unlock_fp4(mut stream: ChaChaStream<'_>, m: u8, data: &mut [u8]) -> Option<usize> {
     let codes = ByteCodes::new(m, Some(0x08));
     let span_words = _mm512_set1_epi32(2 * i32::from(m));
     let nibble = _mm512_set1_epi8(0x0F);
     let largest_allowed = _mm512_set1_epi8(m as i8 - 1);
     let high_nibbles = |v: __m512i| _mm512_and_si512(_mm512_srli_epi16::<4>(v), nibble);
     each_group(
-        stream,
         data,
         GROUP_CODES / 2,
-        |words| {
+        || {
+            let words = stream.next_words();
             let off = |i: usize| offsets(words[i], span_words);
             // Lane b of octet p: the offsets of codes 16b + 8p .. 16b + 8p + 8, a nibble
             // each, as the codes sit in memory.

@@ -11,9 +11,10 @@
 //! - [`stream`]: the key streams;
 //! - `arith`: offsets and modular shifts;
 //! - `lanes`: the kernels, one generic loop per kind of code and instruction set;
-//! - `fused`: lock v2's codes of 16 bits or fewer on AVX-512, unlocked as their ChaCha20
-//!   blocks are made, the stream never written out (the general path, `stream` into a buffer
-//!   and then `lanes`, takes every other tensor and the codes around a call's whole groups).
+//! - `fused`: codes of 16 bits or fewer on AVX-512, unlocked as their key stream is made
+//!   (lock v2's ChaCha20 blocks, lock v1's AES blocks by VAES), the stream never written out
+//!   (the general path, `stream` into a buffer and then `lanes`, takes every other tensor and
+//!   the codes around a call's whole groups).
 
 mod arith;
 mod codec;
@@ -86,10 +87,10 @@ pub struct TensorLock {
     decode_kernel: BatchFn,
     #[cfg(feature = "seal")]
     encode_kernel: BatchFn,
-    /// Lock v2's codes of 16 bits or fewer on an AVX-512 CPU: unlocked as their stream is made
-    /// (`fused`), but for a head and tail of less than a group.
+    /// Codes of 16 bits or fewer on an AVX-512 CPU (lock v1's with VAES too): unlocked as their
+    /// stream is made (`fused`), but for a head and tail of less than a group.
     #[cfg(target_arch = "x86_64")]
-    fused: Option<fused::Codes>,
+    fused: Option<fused::Kernel>,
 }
 
 /// The id a tensor's key stream is derived from: its name, scoped by the shard's directory.
@@ -129,7 +130,7 @@ impl TensorLock {
             #[cfg(feature = "seal")]
             encode_kernel: isa.select::<true>(codec, span, wide),
             #[cfg(target_arch = "x86_64")]
-            fused: fused_codes(version, codec, span),
+            fused: fused_kernel(version, codec, span),
         }
     }
 
@@ -144,8 +145,8 @@ impl TensorLock {
     /// Unlock whole units in place: `buf` holds units `[first_unit, ...)` of the tensor.
     pub fn decode(&self, first_unit: u64, buf: &mut [u8]) -> Result<(), OutOfDomain> {
         #[cfg(target_arch = "x86_64")]
-        if let Some(codes) = self.fused {
-            return self.decode_fused(codes, first_unit, buf);
+        if let Some(kernel) = self.fused {
+            return self.decode_fused(kernel, first_unit, buf);
         }
         self.shift(self.decode_kernel, first_unit, buf)
     }
@@ -166,14 +167,14 @@ impl TensorLock {
     #[cfg(target_arch = "x86_64")]
     fn decode_fused(
         &self,
-        codes: fused::Codes,
+        kernel: fused::Kernel,
         first_unit: u64,
         buf: &mut [u8],
     ) -> Result<(), OutOfDomain> {
-        let unit = codes.unit_bytes();
+        let unit = kernel.unit_bytes();
         assert_eq!(buf.len() % unit, 0, "whole units only");
         let units = (buf.len() / unit) as u64;
-        let group = codes.group_units();
+        let group = kernel.group_units();
         let head = ((group - first_unit % group) % group).min(units);
         let groups = (units - head) / group * group;
         let (head_bytes, rest) = buf.split_at_mut(head as usize * unit);
@@ -181,11 +182,11 @@ impl TensorLock {
         self.shift(self.decode_kernel, first_unit, head_bytes)?;
         let start = first_unit + head;
         if groups > 0 {
-            // SAFETY: `fused` is set only where `fused::available()` found AVX-512 F and BW,
-            // for codes whose domain and span the kernel takes; `start` is a multiple of the
-            // group and `middle` whole groups.
+            // SAFETY: `fused` is set only where `Cipher::available` found the kernel's
+            // instructions, for codes whose domain and span the kernel takes; `start` is a
+            // multiple of the group and `middle` whole groups.
             let outside = unsafe {
-                fused::unlock_groups(codes, self.stream_key.bytes(), start, self.m, middle)
+                fused::unlock_groups(kernel, self.stream_key.bytes(), start, self.m, middle)
             };
             if let Some(i) = outside {
                 return Err(OutOfDomain {
@@ -259,23 +260,29 @@ impl TensorLock {
     }
 }
 
-/// The codes the fused kernel unlocks for this tensor on this CPU, if any: lock v2's narrow
-/// streams (one word a code) of codes of 16 bits or fewer. 32-bit codes keep the general
-/// path: a fused kernel for them, with its 16 x 16 transpose of offsets, ran at 2.3 GB/s
-/// where the general path runs at 3.5 (`cargo bench --bench decode`, F32 and I32).
+/// The fused kernel for this tensor on this CPU, if any: narrow streams (one word a code) of
+/// codes of 16 bits or fewer. 32-bit codes keep the general path: a fused kernel for them
+/// (lock v2), with its 16 x 16 transpose of offsets, ran at 2.3 GB/s where the general path
+/// runs at 3.5 (`cargo bench --bench decode`, F32 and I32); lock v1's F32 take 64-bit words.
 #[cfg(target_arch = "x86_64")]
-fn fused_codes(version: Version, codec: Codec, span: u64) -> Option<fused::Codes> {
-    if version != Version::V2 || !fused::available() {
+fn fused_kernel(version: Version, codec: Codec, span: u64) -> Option<fused::Kernel> {
+    use fused::{Cipher, Codes};
+    let cipher = match version {
+        Version::V1 => Cipher::Aes256Ctr,
+        Version::V2 => Cipher::ChaCha20,
+    };
+    if !cipher.available() {
         return None;
     }
-    match codec {
-        Codec::Float { bits: 16, .. } if span < 1 << 16 => Some(fused::Codes::Float16),
-        Codec::Float { bits: 8, .. } => Some(fused::Codes::Float8),
-        Codec::Index { bytes: 2 } => Some(fused::Codes::Unsigned16),
-        Codec::E8m0 => Some(fused::Codes::Unsigned8),
-        Codec::Fp4x2 => Some(fused::Codes::Fp4Pairs),
-        _ => None,
-    }
+    let codes = match (cipher, codec) {
+        (_, Codec::Float { bits: 16, .. }) if span < 1 << 16 => Codes::Float16,
+        (_, Codec::Float { bits: 8, .. }) => Codes::Float8,
+        (Cipher::ChaCha20, Codec::Index { bytes: 2 }) => Codes::Unsigned16,
+        (Cipher::ChaCha20, Codec::E8m0) => Codes::Unsigned8,
+        (Cipher::ChaCha20, Codec::Fp4x2) => Codes::Fp4Pairs,
+        _ => return None,
+    };
+    Some(fused::Kernel { cipher, codes })
 }
 
 thread_local! {
@@ -287,30 +294,44 @@ thread_local! {
 mod tests {
     use super::*;
 
-    /// The fused kernel gives the general path's bytes for every kind of code it takes, at
-    /// any start, length and domain, and names the same first unit outside the domain.
+    /// The fused kernels give the general path's bytes for every kind of code they take, under
+    /// both lock versions, at any start, length and domain, and name the same first unit
+    /// outside the domain.
     #[cfg(target_arch = "x86_64")]
     #[test]
     fn fused_kernel_equals_the_general_path() {
+        use fused::{Cipher, Codes};
         use safetensors::Dtype;
-        if !fused::available() {
-            eprintln!("no AVX-512 F and BW here: the fused kernel does not run on this CPU");
-            return;
-        }
         let key = ModelKey::new([9; 32]);
         let mut rng = crate::testkit::SplitMix(21);
         let float = |d| Codec::float(d).expect("float codec");
-        let cases = [
-            (float(Dtype::BF16), fused::Codes::Float16),
-            (float(Dtype::F16), fused::Codes::Float16),
-            (Codec::Index { bytes: 2 }, fused::Codes::Unsigned16),
-            (float(Dtype::F8_E4M3), fused::Codes::Float8),
-            (float(Dtype::F8_E5M2), fused::Codes::Float8),
-            (Codec::E8m0, fused::Codes::Unsigned8),
-            (Codec::Fp4x2, fused::Codes::Fp4Pairs),
+        let floats = [
+            (float(Dtype::BF16), Codes::Float16),
+            (float(Dtype::F16), Codes::Float16),
+            (float(Dtype::F8_E4M3), Codes::Float8),
+            (float(Dtype::F8_E5M2), Codes::Float8),
         ];
-        for (codec, codes) in cases {
-            let unit = codes.unit_bytes();
+        let v2_only = [
+            (Codec::Index { bytes: 2 }, Codes::Unsigned16),
+            (Codec::E8m0, Codes::Unsigned8),
+            (Codec::Fp4x2, Codes::Fp4Pairs),
+        ];
+        let cases = floats
+            .iter()
+            .chain(&v2_only)
+            .map(|&(codec, codes)| (Version::V2, Cipher::ChaCha20, codec, codes))
+            .chain(
+                floats
+                    .iter()
+                    .map(|&(codec, codes)| (Version::V1, Cipher::Aes256Ctr, codec, codes)),
+            );
+        for (version, cipher, codec, codes) in cases {
+            if !cipher.available() {
+                eprintln!("{cipher:?}: the CPU lacks the fused kernel's instructions");
+                continue;
+            }
+            let kernel = fused::Kernel { cipher, codes };
+            let unit = kernel.unit_bytes();
             // Per code: its bits, the sign bit (floats) and the largest domain.
             let (bits, sign, limit) = match codec {
                 Codec::Float { bits, top, .. } => (bits, 1u64 << (bits - 1), top + 1),
@@ -339,8 +360,8 @@ mod tests {
                 if !codec.valid_domain(m) {
                     continue;
                 }
-                let lock = TensorLock::new(&key, Version::V2, codec, m, "layers.0.w");
-                assert_eq!(lock.fused, Some(codes), "{codec:?} m {m:#x}");
+                let lock = TensorLock::new(&key, version, codec, m, "layers.0.w");
+                assert_eq!(lock.fused, Some(kernel), "{codec:?} m {m:#x}");
                 let first = match round % 3 {
                     0 => rng.below(4) * 256,
                     1 => rng.below(1 << 20),
@@ -380,7 +401,7 @@ mod tests {
                 lock.decode(first, &mut fused).expect("in the domain");
                 assert!(
                     fused == general,
-                    "{codec:?} m {m:#x} from {first}: bytes differ"
+                    "{version:?} {codec:?} m {m:#x} from {first}: bytes differ"
                 );
                 if units > 0 && m < widest {
                     let bad = rng.below(units as u64) as usize;
@@ -389,7 +410,11 @@ mod tests {
                     let err = lock
                         .decode(first, &mut sealed.clone())
                         .expect_err("outside");
-                    assert_eq!(err.unit, first + bad as u64, "{codec:?} m {m:#x}");
+                    assert_eq!(
+                        err.unit,
+                        first + bad as u64,
+                        "{version:?} {codec:?} m {m:#x}"
+                    );
                 }
             }
         }

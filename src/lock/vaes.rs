@@ -144,45 +144,88 @@ unsafe fn expand_key(key: &[u8; 32], schedule: &mut [u8; (ROUNDS + 1) * BLOCK]) 
 #[target_feature(enable = "avx512f,avx512bw,vaes,aes")]
 unsafe fn groups_512(schedule: &[u8; (ROUNDS + 1) * BLOCK], counter: u64, out: &mut [u8]) {
     debug_assert_eq!(out.len() % GROUP, 0);
-    // The counter's high 64 bits stay zero: a tensor's stream is at most 2^64 bytes, so
-    // its blocks number at most 2^60, and the low half never carries.
     debug_assert!(counter.checked_add((out.len() / BLOCK) as u64).is_some());
-    let mut k = [_mm512_setzero_si512(); ROUNDS + 1];
-    for (i, rk) in k.iter_mut().enumerate() {
-        *rk = _mm512_broadcast_i32x4(_mm_loadu_si128(schedule.as_ptr().add(i * BLOCK).cast()));
-    }
-    // Each 128-bit lane holds a counter as (low 64 bits, high 64 bits = 0) in little-endian
-    // order; reversing the lane's 16 bytes makes the big-endian block.
-    let reverse = _mm512_broadcast_i32x4(_mm_setr_epi8(
-        15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0,
-    ));
-    let c = counter as i64;
-    let mut lanes = _mm512_setr_epi64(
-        c,
-        0,
-        c.wrapping_add(1),
-        0,
-        c.wrapping_add(2),
-        0,
-        c.wrapping_add(3),
-        0,
-    );
-    let four = _mm512_setr_epi64(4, 0, 4, 0, 4, 0, 4, 0);
+    let mut blocks = Blocks512::from_schedule(schedule, counter);
     for group in out.chunks_exact_mut(GROUP) {
+        for (j, v) in blocks.next_16().into_iter().enumerate() {
+            _mm512_storeu_si512(group.as_mut_ptr().add(j * 4 * BLOCK).cast(), v);
+        }
+    }
+}
+
+/// AES-256-CTR blocks in lock v1's counter layout, made 16 at a time in four 512-bit vectors
+/// that hold the stream's bytes in order: the stream for [`fill`], and for the fused kernel
+/// (`super::fused`), which unlocks codes with it in registers.
+pub(super) struct Blocks512 {
+    round_keys: [__m512i; ROUNDS + 1],
+    /// Four counters, one a 128-bit lane, as (low 64 bits, high 64 bits = 0) in little-endian
+    /// order: a tensor's stream is at most 2^64 bytes, so its blocks number at most 2^60 and
+    /// the low half never carries.
+    counters: __m512i,
+}
+
+impl Blocks512 {
+    /// The stream keyed by `key` from block `counter` on.
+    #[target_feature(enable = "avx512f,avx512bw,vaes,aes")]
+    pub(super) fn new(key: &[u8; 32], counter: u64) -> Blocks512 {
+        let mut schedule = [0u8; (ROUNDS + 1) * BLOCK];
+        // SAFETY: this function's features include AES-NI and SSE2.
+        unsafe { expand_key(key, &mut schedule) };
+        let blocks = Blocks512::from_schedule(&schedule, counter);
+        schedule.zeroize();
+        blocks
+    }
+
+    #[target_feature(enable = "avx512f,avx512bw,vaes,aes")]
+    fn from_schedule(schedule: &[u8; (ROUNDS + 1) * BLOCK], counter: u64) -> Blocks512 {
+        let round_keys = std::array::from_fn(|i| {
+            // SAFETY: round key `i` lies within the schedule; unaligned load.
+            let key = unsafe { _mm_loadu_si128(schedule.as_ptr().add(i * BLOCK).cast()) };
+            _mm512_broadcast_i32x4(key)
+        });
+        let c = counter as i64;
+        Blocks512 {
+            round_keys,
+            counters: _mm512_setr_epi64(
+                c,
+                0,
+                c.wrapping_add(1),
+                0,
+                c.wrapping_add(2),
+                0,
+                c.wrapping_add(3),
+                0,
+            ),
+        }
+    }
+
+    /// The next 16 blocks: vector `j` holds blocks `4j .. 4j + 4` of the step.
+    #[inline]
+    #[target_feature(enable = "avx512f,avx512bw,vaes,aes")]
+    pub(super) fn next_16(&mut self) -> [__m512i; 4] {
+        // Reversing a lane's 16 bytes makes the big-endian block of its counter.
+        let reverse = _mm512_broadcast_i32x4(_mm_setr_epi8(
+            15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0,
+        ));
+        let four = _mm512_setr_epi64(4, 0, 4, 0, 4, 0, 4, 0);
+        let k = &self.round_keys;
         let mut b = [_mm512_setzero_si512(); 4];
         for v in b.iter_mut() {
-            *v = _mm512_xor_si512(_mm512_shuffle_epi8(lanes, reverse), k[0]);
-            lanes = _mm512_add_epi64(lanes, four);
+            *v = _mm512_xor_si512(_mm512_shuffle_epi8(self.counters, reverse), k[0]);
+            self.counters = _mm512_add_epi64(self.counters, four);
         }
         for rk in &k[1..ROUNDS] {
             for v in b.iter_mut() {
                 *v = _mm512_aesenc_epi128(*v, *rk);
             }
         }
-        for (j, v) in b.iter().enumerate() {
-            let last = _mm512_aesenclast_epi128(*v, k[ROUNDS]);
-            _mm512_storeu_si512(group.as_mut_ptr().add(j * 4 * BLOCK).cast(), last);
-        }
+        b.map(|v| _mm512_aesenclast_epi128(v, k[ROUNDS]))
+    }
+}
+
+impl Drop for Blocks512 {
+    fn drop(&mut self) {
+        self.round_keys.zeroize();
     }
 }
 
