@@ -30,6 +30,8 @@ use super::lanes::{Fp4Pair, Kind, SignMagnitude, Unsigned};
 
 /// Codes per group of lock v2: 16 ChaCha20 blocks of 16 words, one word a code.
 const GROUP_CODES: usize = 256;
+/// How far ahead of a group its kernel asks for the codes (bytes).
+const PREFETCH_AHEAD: usize = 2048;
 /// Codes per group of lock v1: 16 AES blocks of 4 words.
 const AES_GROUP_CODES: usize = 64;
 
@@ -303,7 +305,15 @@ fn each_group<const N: usize>(
     first_outside: impl Fn(&[u8]) -> Option<usize>,
     unlock: impl Fn(__m512i, __m512i) -> __m512i,
 ) -> Option<usize> {
+    let start = data.as_ptr();
+    let end = start.wrapping_add(data.len());
     for (g, group) in data.chunks_exact_mut(64 * N).enumerate() {
+        for k in 0..N {
+            let ahead = group.as_ptr().wrapping_add(PREFETCH_AHEAD + 64 * k);
+            if ahead < end {
+                _mm_prefetch::<_MM_HINT_T0>(ahead as *const i8);
+            }
+        }
         let offsets = next_offsets();
         let codes: [__m512i; N] = std::array::from_fn(|k| {
             // SAFETY: the group holds `64 * N` bytes; unaligned access.
