@@ -30,7 +30,10 @@ use super::lanes::{Fp4Pair, Kind, SignMagnitude, Unsigned};
 
 /// Codes per group of lock v2: 16 ChaCha20 blocks of 16 words, one word a code.
 const GROUP_CODES: usize = 256;
-/// How far ahead of a group its kernel asks for the codes (bytes).
+/// How far ahead of a group its kernel asks for the codes (bytes). A group's chain of cipher
+/// rounds fills the core's window, leaving one or two loads in flight: codes in memory rather
+/// than in the cache (a chunk unlocked in place after a read from the disk) would be waited for
+/// line by line (docs/PERFORMANCE-LOG.md, "Lock v1's key stream"; 1-8 KiB measured alike).
 const PREFETCH_AHEAD: usize = 2048;
 /// Codes per group of lock v1: 16 AES blocks of 4 words.
 const AES_GROUP_CODES: usize = 64;
