@@ -308,8 +308,7 @@ fn each_group<const N: usize>(
     first_outside: impl Fn(&[u8]) -> Option<usize>,
     unlock: impl Fn(__m512i, __m512i) -> __m512i,
 ) -> Option<usize> {
-    let start = data.as_ptr();
-    let end = start.wrapping_add(data.len());
+    let end = data.as_ptr_range().end;
     for (g, group) in data.chunks_exact_mut(64 * N).enumerate() {
         for k in 0..N {
             let ahead = group.as_ptr().wrapping_add(PREFETCH_AHEAD + 64 * k);
