@@ -6,6 +6,7 @@ pub mod digest;
 pub mod disk_share;
 pub mod error;
 pub mod fill;
+pub mod guarded_map;
 pub mod kernel_mount;
 pub mod key;
 pub mod limits;

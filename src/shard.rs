@@ -174,7 +174,26 @@ impl Shard {
         buf: &mut [u8],
         raw: &RawReader<'_>,
     ) -> std::result::Result<(), ReadError> {
-        self.to_view(pos, buf, |at, data| self.decode_span(at, data, raw))
+        self.to_view(pos, buf, |at, data| self.decode_span(at, None, data, raw))
+    }
+
+    /// The view bytes at `pos` into `out`, from `sealed`, the sealed bytes there (as many, left
+    /// as they are: a mapping of the sealed file's page cache). As
+    /// [`Shard::unlock_in_place`], but the kernels read each locked code once, where a read
+    /// into `out` first would copy every byte. `raw` reads the sealed bytes of values cut by
+    /// either end.
+    pub fn decode_from(
+        &self,
+        pos: u64,
+        sealed: &[u8],
+        out: &mut [u8],
+        raw: &RawReader<'_>,
+    ) -> std::result::Result<(), ReadError> {
+        assert_eq!(sealed.len(), out.len(), "as many bytes written as read");
+        self.to_view(pos, out, |at, data| {
+            let from = &sealed[(at - pos) as usize..][..data.len()];
+            self.decode_span(at, Some(from), data, raw)
+        })
     }
 
     /// The view bytes at `off` in `out`: the part in the header copied from the unlocked
@@ -224,30 +243,38 @@ impl Shard {
         for (i, chunk) in buf.chunks_mut(DECODE_CHUNK).enumerate() {
             let at = pos + (i * DECODE_CHUNK) as u64;
             raw(at, chunk)?;
-            self.decode_span(at, chunk, raw)?;
+            self.decode_span(at, None, chunk, raw)?;
         }
         Ok(())
     }
 
-    /// Decode in place the locked tensors' bytes inside `buf`, the sealed bytes at `pos`.
+    /// The view bytes of the data at `pos` in `buf`: the locked tensors' bytes decoded from
+    /// `sealed` (the sealed bytes at `pos`; `None`: `buf` holds them, decoded in place), any
+    /// other bytes copied from there.
     fn decode_span(
         &self,
         pos: u64,
+        sealed: Option<&[u8]>,
         buf: &mut [u8],
         raw: &RawReader<'_>,
     ) -> std::result::Result<(), ReadError> {
         let end = pos + buf.len() as u64;
         let first = self.locked.partition_point(|t| t.end <= pos);
+        let mut plain_from = pos;
+        let copy_plain = |from: u64, to: u64, buf: &mut [u8]| {
+            if let Some(sealed) = sealed {
+                let r = (from - pos) as usize..(to - pos) as usize;
+                buf[r.clone()].copy_from_slice(&sealed[r]);
+            }
+        };
         for t in self.locked[first..].iter().take_while(|t| t.start < end) {
             let Range { start: a, end: b } = ranges::overlap(t.start..t.end, pos..end);
-            decode_range(
-                t,
-                a,
-                b,
-                &mut buf[(a - pos) as usize..(b - pos) as usize],
-                raw,
-            )?;
+            copy_plain(plain_from, a, buf);
+            let r = (a - pos) as usize..(b - pos) as usize;
+            decode_range(t, a, b, sealed.map(|s| &s[r.clone()]), &mut buf[r], raw)?;
+            plain_from = b;
         }
+        copy_plain(plain_from, end, buf);
         Ok(())
     }
 }
@@ -329,12 +356,14 @@ fn unlocked_header(
     Ok(out)
 }
 
-/// Decode `buf`, which holds the sealed bytes `[a, b)` of tensor `t`. Whole units are
-/// decoded in place; a unit cut by either end is read whole and decoded on the side.
+/// Decode the sealed bytes `[a, b)` of tensor `t` into `buf`, which holds them (`sealed`
+/// none: whole units decoded in place) or takes them from `sealed`; a unit cut by either end
+/// is read whole and decoded on the side.
 fn decode_range(
     t: &LockedTensor,
     a: u64,
     b: u64,
+    sealed: Option<&[u8]>,
     buf: &mut [u8],
     raw: &RawReader<'_>,
 ) -> std::result::Result<(), ReadError> {
@@ -364,9 +393,13 @@ fn decode_range(
     let whole = cut.whole_bytes(ub, total);
     if !whole.is_empty() {
         let at = (whole.start - rel_a) as usize..(whole.end - rel_a) as usize;
-        t.lock
-            .decode(cut.whole.start, &mut buf[at])
-            .map_err(corrupt)?;
+        match sealed {
+            Some(sealed) => t
+                .lock
+                .decode_from(cut.whole.start, &sealed[at.clone()], &mut buf[at]),
+            None => t.lock.decode(cut.whole.start, &mut buf[at]),
+        }
+        .map_err(corrupt)?;
     }
     if let Some(p) = &cut.tail {
         partial(p, buf)?;

@@ -334,6 +334,36 @@ impl View {
         Ok(())
     }
 
+    /// The view bytes `[off, off + out.len())` of a shard into `out`, from `sealed`, its sealed
+    /// bytes there (left as they are: a mapping of the sealed file's page cache), as
+    /// [`View::unlock_in_place`] makes them from a copy of those bytes in `out`.
+    pub fn decode_from(
+        &self,
+        ino: Ino,
+        off: u64,
+        sealed: &[u8],
+        out: &mut [u8],
+    ) -> Result<(), ReadError> {
+        let node = self.node(ino).ok_or(ReadError::NotFound)?;
+        if off + out.len() as u64 > node.attr.size || sealed.len() != out.len() {
+            return Err(ReadError::Io(std::io::Error::other(
+                "past the end of the file",
+            )));
+        }
+        let Content::Shard { object, shard } = &node.content else {
+            out.copy_from_slice(sealed);
+            return self.unlock_in_place(ino, off, out);
+        };
+        let raw = |at: u64, b: &mut [u8]| source::raw_read(&**object, at, b);
+        shard.decode_from(off, sealed, out, &raw)?;
+        Stats::add(&self.stats.bytes_decoded, out.len() as u64);
+        // As in `unlock_in_place`: a change of the file before or during the read is caught.
+        if off + out.len() as u64 > shard.data_start {
+            object.check_unchanged()?;
+        }
+        Ok(())
+    }
+
     /// Tell the kernel the sealed bytes behind `[off, off + len)` of a file will be read
     /// soon, so the disk reads them while the cores decode what came before (local files).
     pub fn will_read(&self, ino: Ino, off: u64, len: u64) {

@@ -1,6 +1,6 @@
 //! Property tests of the kernel-free core: random tensors, dtypes, formats, versions and
-//! byte ranges. Locking then unlocking is the identity, and decoding any range equals the
-//! same slice of the whole decoded file.
+//! byte ranges. Locking then unlocking is the identity, and decoding any range (by a read, or
+//! from the sealed bytes left in place) equals the same slice of the whole decoded file.
 
 use kllm_mount::key::ModelKey;
 use kllm_mount::lock::{Codec, Version};
@@ -132,6 +132,11 @@ proptest! {
             let mut part = vec![0u8; len];
             shard.read(off, &mut part, &raw).unwrap();
             prop_assert_eq!(&part[..], &whole[off as usize..off as usize + len]);
+            // And from the sealed bytes in place, left as they are (a mapping of them).
+            let from = &sealed[off as usize..off as usize + len];
+            let mut out = vec![0xA5u8; len];
+            shard.decode_from(off, from, &mut out, &raw).unwrap();
+            prop_assert_eq!(&out[..], &whole[off as usize..off as usize + len]);
         }
     }
 }
@@ -196,5 +201,13 @@ fn large_reads_decoded_on_several_threads_equal_the_plain_bytes() {
         shard.read(a as u64, &mut part, &raw).unwrap();
         let d = a - 8 - n;
         assert!(part == whole[d..d + len], "range at {a} (+{len}) differs");
+        let mut out = vec![0u8; len];
+        shard
+            .decode_from(a as u64, &sealed[a..a + len], &mut out, &raw)
+            .unwrap();
+        assert!(
+            out == whole[d..d + len],
+            "decode_from at {a} (+{len}) differs"
+        );
     }
 }

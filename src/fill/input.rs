@@ -11,6 +11,8 @@ use crate::ReadError;
 
 /// Decoded bytes of the file at an offset, any range (the view's read path).
 pub type DecodeFn = dyn Fn(u64, &mut [u8]) -> Result<(), ReadError> + Send + Sync;
+/// As [`DecodeFn`], or `None` where the way it reads cannot serve this range.
+pub type MappedDecodeFn = dyn Fn(u64, &mut [u8]) -> Option<Result<(), ReadError>> + Send + Sync;
 /// The file's integrity verdict; the first call hashes it, later ones return the verdict.
 pub type CheckFn = dyn Fn() -> Result<(), ReadError> + Send + Sync;
 /// A hint that the sealed bytes of `[off, off + len)` are about to be read.
@@ -77,6 +79,10 @@ pub struct Input {
     pub unlock: Box<DecodeFn>,
     /// View bytes of any range, for reads of chunks that failed.
     pub decode: Box<DecodeFn>,
+    /// View bytes of a range decoded from the sealed bytes where the page cache holds them (a
+    /// local file's mapping), with no copy of them into a buffer first; `None` where that
+    /// cannot be done (`decode` then). `None`: never (any other source).
+    pub decode_mapped: Option<Box<MappedDecodeFn>>,
     pub check: Option<Arc<CheckFn>>,
     pub prefetch: Option<Box<PrefetchFn>>,
     /// Whether other processes read the disk that `fetch` of `[off, off + len)` reads
@@ -121,6 +127,7 @@ impl Input {
             fetch: Box::new(|_, _| Ok(())),
             unlock: Box::new(move |off, buf| unlock(off, buf)),
             decode: Box::new(move |off, buf| make(off, buf)),
+            decode_mapped: None,
             check: None,
             prefetch: None,
             disk_shared: None,

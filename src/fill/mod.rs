@@ -46,8 +46,8 @@ mod sealed_reader;
 
 use input::disk_look;
 pub use input::{
-    CheckFn, DecodeFn, DiskLook, FetchFn, Input, PrefetchFn, RangeDoneFn, RangeFn, RangeLookFn,
-    SealFn, Steps, Target,
+    CheckFn, DecodeFn, DiskLook, FetchFn, Input, MappedDecodeFn, PrefetchFn, RangeDoneFn, RangeFn,
+    RangeLookFn, SealFn, Steps, Target,
 };
 pub(crate) use pools::ahead_pool;
 use pools::{beside_hash_pool, take_piece_buffer, WRITE_PIECE};
@@ -377,6 +377,12 @@ impl Fill {
                 as Arc<RangeDoneFn>
         });
         let decoded_from_cache = let_go.clone();
+        let decode_mapped = local.clone().map(|r| {
+            let v = view.clone();
+            Box::new(move |off: u64, out: &mut [u8]| {
+                r.decode_mapped(off, out, |sealed, out| v.decode_from(ino, off, sealed, out))
+            }) as Box<MappedDecodeFn>
+        });
         let fetch = move |off: u64, buf: &mut [u8]| match (&local, &object) {
             (Some(r), _) => {
                 r.read(off, buf)?;
@@ -392,6 +398,7 @@ impl Fill {
             fetch: Box::new(fetch),
             unlock: Box::new(move |off, buf| u.unlock_in_place(ino, off, buf)),
             decode: Box::new(decode),
+            decode_mapped,
             check,
             prefetch,
             disk_shared,
@@ -1051,8 +1058,12 @@ impl Inner {
                     return (self.source.unlock)(at, place);
                 };
                 let piece = &mut buf[..len];
-                (self.source.decode)(at, piece)
-                    .and_then(|()| file.write_all_at(piece, at).map_err(ReadError::Io))
+                let mapped = self.source.decode_mapped.as_ref();
+                match mapped.and_then(|decode| decode(at, piece)) {
+                    Some(made) => made,
+                    None => (self.source.decode)(at, piece),
+                }
+                .and_then(|()| file.write_all_at(piece, at).map_err(ReadError::Io))
             })
         };
         let result = std::panic::catch_unwind(AssertUnwindSafe(|| match pool {

@@ -7,12 +7,17 @@ use std::io;
 
 use parking_lot::Mutex;
 
+use crate::guarded_map::GuardedMap;
+
 /// Reads a sealed file into a fill's memory: with `O_DIRECT` straight into the mapping
 /// when the bytes are not in the page cache (no second set of fresh pages for the
 /// sealed file's cache, and no copy), else through the page cache.
 pub(super) struct SealedReader {
     pub(super) file: File,
     pub(super) direct: Option<File>,
+    /// The file mapped, so a chunk whose bytes are in the page cache is decoded from there
+    /// without a copy into a buffer first; `None` where it cannot be (then by `read`).
+    map: Option<GuardedMap>,
     /// Ranges fetched while the file's hash still had to read them, let go once it has.
     kept: Mutex<Vec<(u64, u64)>>,
 }
@@ -33,11 +38,30 @@ impl SealedReader {
             .custom_flags(libc::O_DIRECT)
             .open(&again)
             .ok();
+        let file = File::open(&again)?;
+        let map = GuardedMap::new(&file, file.metadata()?.len());
         Ok(SealedReader {
-            file: File::open(&again)?,
+            file,
             direct,
+            map,
             kept: Mutex::new(Vec::new()),
         })
+    }
+
+    /// What `decode` makes of the sealed bytes of `[off, off + out.len())` read where the page
+    /// cache holds them (a mapping), written into `out`; `None` where the mapping cannot say
+    /// (none, or a page of it failed: a file cut short or a disk error), and `out` is to be
+    /// made again from a read.
+    pub(super) fn decode_mapped<E>(
+        &self,
+        off: u64,
+        out: &mut [u8],
+        decode: impl FnOnce(&[u8], &mut [u8]) -> Result<(), E>,
+    ) -> Option<Result<(), E>> {
+        let len = out.len();
+        self.map
+            .as_ref()?
+            .read(off, len, |sealed| decode(sealed, out))
     }
 
     /// Let the page cache's pages of `[off, off + len)` go, now that those sealed bytes are
@@ -76,6 +100,10 @@ impl SealedReader {
             false => ((off / PAGE + 1) * PAGE, (off + len - 1) / PAGE * PAGE),
         };
         if to > from {
+            // The page cache keeps pages that are mapped.
+            if let Some(map) = &self.map {
+                map.unmap_pages(from, to - from);
+            }
             // SAFETY: advice on an open descriptor; the kernel drops only clean pages no
             // one maps, so any reader still gets the file's bytes (from the disk).
             unsafe {
@@ -150,5 +178,39 @@ impl SealedReader {
             )
         };
         r == 0 && st.nr_cache * 4096 >= len / 2
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::io::Write;
+
+    /// A chunk decoded where the page cache holds it reads the file's bytes through the
+    /// mapping; once the file is cut short under it, the pages past the cut fault, and from
+    /// then on every range is left to `read`, which tells the truth (a short file).
+    #[test]
+    fn decodes_from_the_mapping_until_the_file_is_cut_short_under_it() {
+        let mut f = tempfile::NamedTempFile::new().unwrap();
+        let bytes: Vec<u8> = (0..256u32 << 10).map(|i| (i % 251) as u8).collect();
+        f.write_all(&bytes).unwrap();
+        let reader = SealedReader::new(f.as_file()).unwrap();
+        let copy = |sealed: &[u8], out: &mut [u8]| -> Result<(), ()> {
+            out.copy_from_slice(sealed);
+            Ok(())
+        };
+        let mut out = vec![0u8; 64 << 10];
+        assert_eq!(reader.decode_mapped(4096, &mut out, copy), Some(Ok(())));
+        assert!(out[..] == bytes[4096..4096 + (64 << 10)]);
+        f.as_file().set_len(64 << 10).unwrap();
+        // Past the cut: the mapping's pages fault, and the range is refused.
+        assert_eq!(reader.decode_mapped(128 << 10, &mut out, copy), None);
+        // Before the cut too, now: a faulted page reads as zeros.
+        assert_eq!(reader.decode_mapped(0, &mut out, copy), None);
+        let mut buf = vec![0u8; 64 << 10];
+        assert!(
+            reader.read(128 << 10, &mut buf).is_err(),
+            "read past the cut"
+        );
     }
 }

@@ -114,11 +114,47 @@ impl Codes {
     }
 }
 
-/// Unlocks `data`, whole groups of one tensor's codes (`kernel`), the first of them unit
+/// Where a kernel reads its codes and writes their plain values: the same bytes (in place), or
+/// sealed bytes left as they are (a mapping of the sealed file's page cache) and as many bytes
+/// to write, so the codes are read once, by the kernel, not copied out first.
+#[derive(Clone, Copy)]
+pub(super) struct Places<'a> {
+    src: *const u8,
+    dst: *mut u8,
+    len: usize,
+    _borrows: std::marker::PhantomData<&'a mut [u8]>,
+}
+
+impl<'a> Places<'a> {
+    pub(super) fn in_place(data: &'a mut [u8]) -> Places<'a> {
+        Places {
+            src: data.as_ptr(),
+            dst: data.as_mut_ptr(),
+            len: data.len(),
+            _borrows: std::marker::PhantomData,
+        }
+    }
+
+    pub(super) fn from_to(src: &'a [u8], dst: &'a mut [u8]) -> Places<'a> {
+        assert_eq!(src.len(), dst.len(), "as many bytes written as read");
+        Places {
+            src: src.as_ptr(),
+            dst: dst.as_mut_ptr(),
+            len: dst.len(),
+            _borrows: std::marker::PhantomData,
+        }
+    }
+
+    pub(super) fn len(&self) -> usize {
+        self.len
+    }
+}
+
+/// Unlocks `places`, whole groups of one tensor's codes (`kernel`), the first of them unit
 /// `first_unit` (a multiple of [`Kernel::group_units`]), under the stream key `key` and domain
 /// `m` (`span` as the codes set it). Returns the first unit outside the domain, counted from
-/// the start of `data`; the groups before it are unlocked, the rest left as they were (a
-/// caller drops the bytes on an error).
+/// the start; the groups before it are unlocked, the rest not written (a caller drops the
+/// bytes on an error).
 ///
 /// # Safety
 /// The CPU must run the kernel's cipher ([`Cipher::available`]).
@@ -128,7 +164,7 @@ pub(super) unsafe fn unlock_groups(
     key: &[u8; 32],
     first_unit: u64,
     m: u64,
-    data: &mut [u8],
+    data: Places<'_>,
 ) -> Option<usize> {
     let group_units = kernel.group_units();
     debug_assert_eq!(first_unit % group_units, 0);
@@ -147,7 +183,7 @@ fn unlock_chacha(
     key: &[u8; 32],
     group: u64,
     m: u64,
-    data: &mut [u8],
+    data: Places<'_>,
 ) -> Option<usize> {
     let mut key_words = [0i32; 8];
     for (w, b) in key_words.iter_mut().zip(key.chunks_exact(4)) {
@@ -196,7 +232,7 @@ unsafe fn unlock_aes(
     key: &[u8; 32],
     first_unit: u64,
     m: u64,
-    data: &mut [u8],
+    data: Places<'_>,
 ) -> Option<usize> {
     // Code `j` takes bytes `4j .. 4j + 4` of the stream: block `j / 4`.
     let mut blocks = super::vaes::Blocks512::new(key, first_unit / 4);
@@ -295,23 +331,26 @@ impl ChaChaStream<'_> {
 
 /// The loop of every kernel, over groups of `N` vectors of `data`: the group's offsets in the
 /// codes' order (`next_offsets`, the stream's next step), every code of the group checked
-/// against the domain before any changes (`outside` of its vectors: one comparison a group;
-/// `first_outside` names the unit), then each vector unlocked in place (`unlock` of its codes
-/// and offsets). Returns the first unit outside the domain, counted from the start of `data`.
+/// against the domain before any is written (`outside` of its vectors: one comparison a group;
+/// `first_outside` names the unit), then each vector unlocked into its place (`unlock` of its
+/// codes and offsets). Returns the first unit outside the domain, counted from the start.
 #[inline]
 #[target_feature(enable = "avx512f,avx512bw")]
 fn each_group<const N: usize>(
-    data: &mut [u8],
+    data: Places<'_>,
     units_per_group: usize,
     mut next_offsets: impl FnMut() -> [__m512i; N],
     outside: impl Fn(&[__m512i; N]) -> bool,
     first_outside: impl Fn(&[u8]) -> Option<usize>,
     unlock: impl Fn(__m512i, __m512i) -> __m512i,
 ) -> Option<usize> {
-    let end = data.as_ptr_range().end;
-    for (g, group) in data.chunks_exact_mut(64 * N).enumerate() {
+    let group_bytes = 64 * N;
+    let end = data.src.wrapping_add(data.len);
+    for g in 0..data.len / group_bytes {
+        // SAFETY: group `g` lies within both places, which hold `data.len` bytes each.
+        let (src, dst) = unsafe { (data.src.add(g * group_bytes), data.dst.add(g * group_bytes)) };
         for k in 0..N {
-            let ahead = group.as_ptr().wrapping_add(PREFETCH_AHEAD + 64 * k);
+            let ahead = src.wrapping_add(PREFETCH_AHEAD + 64 * k);
             if ahead < end {
                 _mm_prefetch::<_MM_HINT_T0>(ahead as *const i8);
             }
@@ -319,20 +358,17 @@ fn each_group<const N: usize>(
         let offsets = next_offsets();
         let codes: [__m512i; N] = std::array::from_fn(|k| {
             // SAFETY: the group holds `64 * N` bytes; unaligned access.
-            unsafe { _mm512_loadu_si512(group[64 * k..].as_ptr() as *const __m512i) }
+            unsafe { _mm512_loadu_si512(src.add(64 * k) as *const __m512i) }
         });
         if outside(&codes) {
+            // SAFETY: the group's codes, not yet written (in place, the same bytes).
+            let group = unsafe { std::slice::from_raw_parts(src, group_bytes) };
             // The group holds a code outside the domain, so `first_outside` finds it.
             return Some(g * units_per_group + first_outside(group).unwrap_or(0));
         }
         for (k, (code, off)) in codes.into_iter().zip(offsets).enumerate() {
             // SAFETY: as the loads.
-            unsafe {
-                _mm512_storeu_si512(
-                    group[64 * k..].as_mut_ptr() as *mut __m512i,
-                    unlock(code, off),
-                )
-            };
+            unsafe { _mm512_storeu_si512(dst.add(64 * k) as *mut __m512i, unlock(code, off)) };
         }
     }
     None
@@ -345,7 +381,7 @@ fn each_group<const N: usize>(
 #[target_feature(enable = "avx512f,avx512bw")]
 fn unlock_16<const SIGNED: bool, const N: usize>(
     m: u16,
-    data: &mut [u8],
+    data: Places<'_>,
     mut next_offsets: impl FnMut(__m512i) -> [__m512i; N],
 ) -> Option<usize> {
     let span = if SIGNED { 2 * m } else { m };
@@ -445,7 +481,7 @@ impl ByteCodes {
 #[target_feature(enable = "avx512f,avx512bw")]
 fn unlock_8<const SIGNED: bool, const N: usize>(
     m: u16,
-    data: &mut [u8],
+    data: Places<'_>,
     mut next_offsets: impl FnMut(__m512i) -> [__m512i; N],
 ) -> Option<usize> {
     let codes = ByteCodes::new(m as u8, SIGNED.then_some(0x80));
@@ -474,7 +510,7 @@ fn unlock_8<const SIGNED: bool, const N: usize>(
 /// code (`span = 2m <= 16`), the low nibble the earlier code, unlocked as a byte of its own.
 #[inline]
 #[target_feature(enable = "avx512f,avx512bw")]
-fn unlock_fp4(mut stream: ChaChaStream<'_>, m: u8, data: &mut [u8]) -> Option<usize> {
+fn unlock_fp4(mut stream: ChaChaStream<'_>, m: u8, data: Places<'_>) -> Option<usize> {
     let codes = ByteCodes::new(m, Some(0x08));
     let span_words = _mm512_set1_epi32(2 * i32::from(m));
     let nibble = _mm512_set1_epi8(0x0F);

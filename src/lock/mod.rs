@@ -146,9 +146,27 @@ impl TensorLock {
     pub fn decode(&self, first_unit: u64, buf: &mut [u8]) -> Result<(), OutOfDomain> {
         #[cfg(target_arch = "x86_64")]
         if let Some(kernel) = self.fused {
-            return self.decode_fused(kernel, first_unit, buf);
+            return self.decode_fused(kernel, first_unit, None, buf);
         }
         self.shift(self.decode_kernel, first_unit, buf)
+    }
+
+    /// Unlock whole units from `sealed` (units `[first_unit, ...)` of the tensor, left as they
+    /// are) into `out`, as many bytes. A fused kernel reads each code once, where an unlock in
+    /// place needs the codes copied into `out` first.
+    pub fn decode_from(
+        &self,
+        first_unit: u64,
+        sealed: &[u8],
+        out: &mut [u8],
+    ) -> Result<(), OutOfDomain> {
+        assert_eq!(sealed.len(), out.len(), "as many bytes written as read");
+        #[cfg(target_arch = "x86_64")]
+        if let Some(kernel) = self.fused {
+            return self.decode_fused(kernel, first_unit, Some(sealed), out);
+        }
+        out.copy_from_slice(sealed);
+        self.shift(self.decode_kernel, first_unit, out)
     }
 
     /// [`TensorLock::decode`] by the general path whatever the codec and CPU: the key stream
@@ -162,13 +180,15 @@ impl TensorLock {
         self.shift(self.decode_kernel, first_unit, buf)
     }
 
-    /// [`TensorLock::decode`] by whole groups of the fused kernel, the codes before the
+    /// [`TensorLock::decode`] (`sealed` none: `buf` holds the codes) or
+    /// [`TensorLock::decode_from`] by whole groups of the fused kernel, the codes before the
     /// first group and after the last by the general path.
     #[cfg(target_arch = "x86_64")]
     fn decode_fused(
         &self,
         kernel: fused::Kernel,
         first_unit: u64,
+        sealed: Option<&[u8]>,
         buf: &mut [u8],
     ) -> Result<(), OutOfDomain> {
         let unit = kernel.unit_bytes();
@@ -177,16 +197,25 @@ impl TensorLock {
         let group = kernel.group_units();
         let head = ((group - first_unit % group) % group).min(units);
         let groups = (units - head) / group * group;
-        let (head_bytes, rest) = buf.split_at_mut(head as usize * unit);
-        let (middle, tail) = rest.split_at_mut(groups as usize * unit);
+        let (head_end, middle_end) = (head as usize * unit, (head + groups) as usize * unit);
+        let (head_bytes, rest) = buf.split_at_mut(head_end);
+        let (middle, tail) = rest.split_at_mut(middle_end - head_end);
+        if let Some(sealed) = sealed {
+            head_bytes.copy_from_slice(&sealed[..head_end]);
+            tail.copy_from_slice(&sealed[middle_end..]);
+        }
         self.shift(self.decode_kernel, first_unit, head_bytes)?;
         let start = first_unit + head;
         if groups > 0 {
+            let places = match sealed {
+                Some(sealed) => fused::Places::from_to(&sealed[head_end..middle_end], middle),
+                None => fused::Places::in_place(middle),
+            };
             // SAFETY: `fused` is set only where `Cipher::available` found the kernel's
             // instructions, for codes whose domain and span the kernel takes; `start` is a
             // multiple of the group and `middle` whole groups.
             let outside = unsafe {
-                fused::unlock_groups(kernel, self.stream_key.bytes(), start, self.m, middle)
+                fused::unlock_groups(kernel, self.stream_key.bytes(), start, self.m, places)
             };
             if let Some(i) = outside {
                 return Err(OutOfDomain {
@@ -403,6 +432,15 @@ mod tests {
                     fused == general,
                     "{version:?} {codec:?} m {m:#x} from {first}: bytes differ"
                 );
+                // From sealed bytes left as they are into a buffer of other bytes.
+                let mut out = vec![0xA5u8; sealed.len()];
+                let kept = sealed.clone();
+                lock.decode_from(first, &sealed, &mut out)
+                    .expect("in the domain");
+                assert!(
+                    out == general && sealed == kept,
+                    "{version:?} {codec:?} m {m:#x} from {first}: decode_from differs"
+                );
                 if units > 0 && m < widest {
                     let bad = rng.below(units as u64) as usize;
                     let v = unit_of(&mut rng, true);
@@ -415,6 +453,10 @@ mod tests {
                         first + bad as u64,
                         "{version:?} {codec:?} m {m:#x}"
                     );
+                    let err = lock
+                        .decode_from(first, &sealed, &mut vec![0; sealed.len()])
+                        .expect_err("outside");
+                    assert_eq!(err.unit, first + bad as u64, "decode_from {codec:?}");
                 }
             }
         }
