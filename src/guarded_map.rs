@@ -79,7 +79,9 @@ impl GuardedMap {
 
     /// `read` given bytes `[off, off + len)` of the file, and what it made; `None` if any page
     /// of the mapping failed before or while it read (then its bytes may hold zeros that are
-    /// not the file's, and the caller reads the range the ordinary way).
+    /// not the file's, and the caller reads the range the ordinary way). The pages are
+    /// unmapped after (mapped again if read again): the page cache may then let them go (it
+    /// keeps pages that are mapped), and they never count in the daemon's memory.
     pub fn read<R>(&self, off: u64, len: usize, read: impl FnOnce(&[u8]) -> R) -> Option<R> {
         let bytes = self
             .map
@@ -89,24 +91,19 @@ impl GuardedMap {
             return None;
         }
         let made = read(bytes);
-        (faults.load(Ordering::SeqCst) == 0).then_some(made)
-    }
-
-    /// Whether a page of the mapping has failed: nothing read from it counts any more.
-    pub fn failed(&self) -> bool {
-        GUARDED[self.slot].faults.load(Ordering::SeqCst) != 0
-    }
-
-    /// Unmap the pages of `[off, off + len)` (they are mapped again if read again), so the
-    /// page cache may let them go: it keeps pages that are mapped.
-    pub fn unmap_pages(&self, off: u64, len: u64) {
-        let len = (len as usize).min(self.map.len().saturating_sub(off as usize));
+        let failed = faults.load(Ordering::SeqCst) != 0;
         // SAFETY: a shared file mapping loses nothing: a later read maps the file's pages
         // again.
         let _ = unsafe {
             self.map
                 .unchecked_advise_range(memmap2::UncheckedAdvice::DontNeed, off as usize, len)
         };
+        (!failed).then_some(made)
+    }
+
+    /// Whether a page of the mapping has failed: nothing read from it counts any more.
+    pub fn failed(&self) -> bool {
+        GUARDED[self.slot].faults.load(Ordering::SeqCst) != 0
     }
 }
 

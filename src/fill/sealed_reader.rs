@@ -100,10 +100,6 @@ impl SealedReader {
             false => ((off / PAGE + 1) * PAGE, (off + len - 1) / PAGE * PAGE),
         };
         if to > from {
-            // The page cache keeps pages that are mapped.
-            if let Some(map) = &self.map {
-                map.unmap_pages(from, to - from);
-            }
             // SAFETY: advice on an open descriptor; the kernel drops only clean pages no
             // one maps, so any reader still gets the file's bytes (from the disk).
             unsafe {
@@ -145,39 +141,9 @@ impl SealedReader {
         self.file.read_exact_at(&mut buf[done..], off + done as u64)
     }
 
-    /// Whether at least half of `[off, off + len)` is in the page cache (`cachestat`,
-    /// Linux 6.5+); if it cannot say, no.
+    /// Whether at least half of `[off, off + len)` is in the page cache.
     pub(super) fn mostly_cached(&self, off: u64, len: u64) -> bool {
-        use std::os::fd::AsRawFd;
-        #[repr(C)]
-        struct Range {
-            off: u64,
-            len: u64,
-        }
-        #[repr(C)]
-        #[derive(Default)]
-        struct Cachestat {
-            nr_cache: u64,
-            nr_dirty: u64,
-            nr_writeback: u64,
-            nr_evicted: u64,
-            nr_recently_evicted: u64,
-        }
-        // The number of cachestat on every architecture (new calls share one table).
-        const SYS_CACHESTAT: libc::c_long = 451;
-        let range = Range { off, len };
-        let mut st = Cachestat::default();
-        // SAFETY: cachestat reads `range` and writes `st`, both valid for the call.
-        let r = unsafe {
-            libc::syscall(
-                SYS_CACHESTAT,
-                self.file.as_raw_fd(),
-                &range as *const Range,
-                &mut st as *mut Cachestat,
-                0,
-            )
-        };
-        r == 0 && st.nr_cache * 4096 >= len / 2
+        crate::source::local::mostly_cached(&self.file, off, len)
     }
 }
 

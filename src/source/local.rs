@@ -14,6 +14,7 @@ use std::time::{Duration, UNIX_EPOCH};
 
 use super::{Attr, Kind};
 use super::{Entry, Object, Source};
+use crate::guarded_map::GuardedMap;
 use crate::{Error, ReadError, Result};
 
 pub struct LocalDir {
@@ -109,6 +110,7 @@ impl Source for LocalDir {
             id: (m.dev(), m.ino()),
             stamp: Stamp::from_meta(&m),
             file: OnceLock::new(),
+            map: OnceLock::new(),
         }))
     }
 }
@@ -262,6 +264,9 @@ struct LocalFile {
     /// The file as it was when opened.
     stamp: Stamp,
     file: OnceLock<File>,
+    /// The file mapped on the first read that finds its bytes in the page cache (`None`
+    /// where it cannot be).
+    map: OnceLock<Option<GuardedMap>>,
 }
 
 impl LocalFile {
@@ -328,6 +333,17 @@ impl Object for LocalFile {
     fn local_file(&self) -> Result<Option<&File>, ReadError> {
         self.file().map(Some)
     }
+
+    fn cached_mapping(&self, off: u64, len: u64) -> Option<&GuardedMap> {
+        let file = self.file().ok()?;
+        if !mostly_cached(file, off, len) {
+            return None;
+        }
+        let map = self
+            .map
+            .get_or_init(|| GuardedMap::new(file, self.stamp.len));
+        map.as_ref().filter(|m| !m.failed())
+    }
 }
 
 /// The size, modification and change times of a file: writing to the mounted inode changes
@@ -349,6 +365,41 @@ impl Stamp {
             ctime: (m.ctime(), m.ctime_nsec()),
         }
     }
+}
+
+/// Whether at least half of `[off, off + len)` of `file` is in the page cache (`cachestat`,
+/// Linux 6.5+); if it cannot say, no.
+pub(crate) fn mostly_cached(file: &File, off: u64, len: u64) -> bool {
+    use std::os::fd::AsRawFd;
+    #[repr(C)]
+    struct Range {
+        off: u64,
+        len: u64,
+    }
+    #[repr(C)]
+    #[derive(Default)]
+    struct Cachestat {
+        nr_cache: u64,
+        nr_dirty: u64,
+        nr_writeback: u64,
+        nr_evicted: u64,
+        nr_recently_evicted: u64,
+    }
+    // The number of cachestat on every architecture (new calls share one table).
+    const SYS_CACHESTAT: libc::c_long = 451;
+    let range = Range { off, len };
+    let mut st = Cachestat::default();
+    // SAFETY: cachestat reads `range` and writes `st`, both valid for the call.
+    let r = unsafe {
+        libc::syscall(
+            SYS_CACHESTAT,
+            file.as_raw_fd(),
+            &range as *const Range,
+            &mut st as *mut Cachestat,
+            0,
+        )
+    };
+    r == 0 && st.nr_cache * 4096 >= len / 2
 }
 
 #[cfg(test)]
@@ -398,5 +449,38 @@ mod tests {
         obj.check_unchanged().unwrap();
         std::fs::write(root.join("sub/a"), b"abcd").unwrap();
         assert!(matches!(obj.check_unchanged(), Err(ReadError::Changed)));
+    }
+
+    /// Reads find the file's bytes mapped while the page cache holds them; a file cut short
+    /// under the mapping faults there once, and is read by `pread` from then on.
+    #[test]
+    fn cached_bytes_are_lent_mapped_until_a_page_faults() {
+        let dir = tempfile::tempdir().unwrap();
+        let bytes: Vec<u8> = (0..256u32 << 10).map(|i| (i % 253) as u8).collect();
+        std::fs::write(dir.path().join("f"), &bytes).unwrap();
+        let object = LocalDir::new(dir.path())
+            .unwrap()
+            .open(Path::new("f"))
+            .unwrap();
+        let map = object
+            .cached_mapping(0, 64 << 10)
+            .expect("written just now: cached");
+        let same = map.read(4096, 8192, |b| b == &bytes[4096..4096 + 8192]);
+        assert_eq!(same, Some(true));
+        let f = std::fs::OpenOptions::new()
+            .write(true)
+            .open(dir.path().join("f"))
+            .unwrap();
+        f.set_len(64 << 10).unwrap();
+        assert_eq!(map.read(128 << 10, 4096, |b| b[0]), None, "past the cut");
+        assert!(
+            object.cached_mapping(0, 4096).is_none(),
+            "a mapping that faulted"
+        );
+        let mut buf = [0u8; 16];
+        assert!(
+            object.read_exact_at(&mut buf, 0).is_ok(),
+            "pread before the cut"
+        );
     }
 }

@@ -43,6 +43,7 @@ use sha2::{Digest, Sha256};
 pub use local::LocalDir;
 pub use location::Location;
 
+use crate::guarded_map::GuardedMap;
 use crate::{ReadError, Result};
 
 /// A sealed directory to serve from.
@@ -161,6 +162,13 @@ pub trait Object: Send + Sync {
     /// The local file behind it, if any: passthrough hands it to the kernel as a backing
     /// file, and hashing reads it on its own thread.
     fn local_file(&self) -> Result<Option<&File>, ReadError>;
+
+    /// Its bytes mapped, for a read of `[off, off + len)` that the page cache holds for the
+    /// most part (a local file): a reader that decodes them there reads each byte once, where
+    /// `read_exact_at` would copy every byte into a buffer first. `None`: read them.
+    fn cached_mapping(&self, _off: u64, _len: u64) -> Option<&GuardedMap> {
+        None
+    }
 }
 
 /// [`Object::read_exact_at`] as a shard decoder's raw reader wants it.
