@@ -412,7 +412,7 @@ class Bench:
             self.umount(s, ds)
 
     def verify_test(self, s, ds, verify, res):
-        """Cold sequential read with the manifest in the sealed directory, checked
+        """Sequential read (files cached, fresh mount) with the manifest in the sealed directory, checked
         (`--verify open`, the default) or not (`--verify off`)."""
         d = self.data[ds]
         manifest = os.path.join(d["sealed"], "kllm-manifest.json")
