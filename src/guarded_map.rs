@@ -15,8 +15,10 @@ use std::io;
 use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Once, OnceLock};
 
-/// Mappings guarded at once: a fill holds one while it runs.
-const SLOTS: usize = 64;
+/// Mappings guarded at once: a fill holds one while it runs, a shard read through FUSE one
+/// for the mount's life. Past them a file is read by `pread`. (The handler looks through
+/// them all only on a fault.)
+const SLOTS: usize = 1024;
 
 /// One guarded mapping: its range (`start` 0: a free slot) and the faults in it.
 struct Slot {

@@ -50,8 +50,8 @@ impl SealedReader {
 
     /// What `decode` makes of the sealed bytes of `[off, off + out.len())` read where the page
     /// cache holds them (a mapping), written into `out`; `None` where the mapping cannot say
-    /// (none, or a page of it failed: a file cut short or a disk error), and `out` is to be
-    /// made again from a read.
+    /// (none, a page not in the cache, or a page of it failed: a file cut short or a disk
+    /// error), and `out` is to be made again from a read.
     pub(super) fn decode_mapped<E>(
         &self,
         off: u64,
@@ -59,6 +59,11 @@ impl SealedReader {
         decode: impl FnOnce(&[u8], &mut [u8]) -> Result<(), E>,
     ) -> Option<Result<(), E>> {
         let len = out.len();
+        // A page not in the cache would be read from the disk a page at a time, on a core
+        // that decodes.
+        if !crate::source::local::all_cached(&self.file, off, len as u64) {
+            return None;
+        }
         self.map
             .as_ref()?
             .read(off, len, |sealed| decode(sealed, out))
@@ -153,8 +158,8 @@ mod tests {
     use std::io::Write;
 
     /// A chunk decoded where the page cache holds it reads the file's bytes through the
-    /// mapping; once the file is cut short under it, the pages past the cut fault, and from
-    /// then on every range is left to `read`, which tells the truth (a short file).
+    /// mapping; a file cut short under a read faults there, and from then on every range is
+    /// left to `read`, which tells the truth (a short file).
     #[test]
     fn decodes_from_the_mapping_until_the_file_is_cut_short_under_it() {
         let mut f = tempfile::NamedTempFile::new().unwrap();
@@ -165,18 +170,23 @@ mod tests {
             out.copy_from_slice(sealed);
             Ok(())
         };
-        let mut out = vec![0u8; 64 << 10];
+        let mut out = vec![0u8; 128 << 10];
         assert_eq!(reader.decode_mapped(4096, &mut out, copy), Some(Ok(())));
-        assert!(out[..] == bytes[4096..4096 + (64 << 10)]);
-        f.as_file().set_len(64 << 10).unwrap();
-        // Past the cut: the mapping's pages fault, and the range is refused.
-        assert_eq!(reader.decode_mapped(128 << 10, &mut out, copy), None);
-        // Before the cut too, now: a faulted page reads as zeros.
-        assert_eq!(reader.decode_mapped(0, &mut out, copy), None);
+        assert!(out[..] == bytes[4096..4096 + (128 << 10)]);
+        // Cut short while a decode reads the mapping: the pages past the cut fault.
+        let cut_and_copy = |sealed: &[u8], out: &mut [u8]| -> Result<(), ()> {
+            f.as_file().set_len(64 << 10).unwrap();
+            out.copy_from_slice(sealed);
+            Ok(())
+        };
+        assert_eq!(reader.decode_mapped(0, &mut out, cut_and_copy), None);
+        // Refused from then on, before the cut too.
+        assert_eq!(reader.decode_mapped(0, &mut out[..4096], copy), None);
         let mut buf = vec![0u8; 64 << 10];
         assert!(
             reader.read(128 << 10, &mut buf).is_err(),
             "read past the cut"
         );
+        assert!(reader.read(0, &mut buf).is_ok(), "read before the cut");
     }
 }

@@ -336,7 +336,7 @@ impl Object for LocalFile {
 
     fn cached_mapping(&self, off: u64, len: u64) -> Option<&GuardedMap> {
         let file = self.file().ok()?;
-        if !mostly_cached(file, off, len) {
+        if !all_cached(file, off, len) {
             return None;
         }
         let map = self
@@ -370,6 +370,18 @@ impl Stamp {
 /// Whether at least half of `[off, off + len)` of `file` is in the page cache (`cachestat`,
 /// Linux 6.5+); if it cannot say, no.
 pub(crate) fn mostly_cached(file: &File, off: u64, len: u64) -> bool {
+    cached_pages(file, off, len).is_some_and(|(cached, _)| cached * 4096 >= len / 2)
+}
+
+/// Whether every page of `[off, off + len)` of `file` is in the page cache: a reader of its
+/// mapping then never waits for the disk page by page.
+pub(crate) fn all_cached(file: &File, off: u64, len: u64) -> bool {
+    cached_pages(file, off, len).is_some_and(|(cached, pages)| cached >= pages)
+}
+
+/// The pages of `[off, off + len)` of `file` in the page cache, and all its pages
+/// (`cachestat`, Linux 6.5+); `None` if it cannot say.
+fn cached_pages(file: &File, off: u64, len: u64) -> Option<(u64, u64)> {
     use std::os::fd::AsRawFd;
     #[repr(C)]
     struct Range {
@@ -399,7 +411,8 @@ pub(crate) fn mostly_cached(file: &File, off: u64, len: u64) -> bool {
             0,
         )
     };
-    r == 0 && st.nr_cache * 4096 >= len / 2
+    let pages = (off + len).div_ceil(4096) - off / 4096;
+    (r == 0).then_some((st.nr_cache, pages))
 }
 
 #[cfg(test)]
