@@ -669,7 +669,7 @@ class Report:
 
     def integrity(self):
         w, p, b, rounds = self.w, self.p, self.b, self.rounds
-        w("## Integrity: cold sequential read, verification on vs off")
+        w("## Integrity: sequential read (files cached), verification on vs off")
         w("")
         w("A kLLM catalog manifest (`kllm-manifest.json`, SHA-256 of every sealed file) in the "
           "sealed directory; `--verify open` (the default: each file checked on first use) vs "

@@ -163,8 +163,8 @@ pub trait Object: Send + Sync {
     /// file, and hashing reads it on its own thread.
     fn local_file(&self) -> Result<Option<&File>, ReadError>;
 
-    /// Its bytes mapped, for a read of `[off, off + len)` that the page cache holds for the
-    /// most part (a local file): a reader that decodes them there reads each byte once, where
+    /// Its bytes mapped, for a read of `[off, off + len)` that the page cache holds whole (a
+    /// local file): a reader that decodes them there reads each byte once, where
     /// `read_exact_at` would copy every byte into a buffer first. `None`: read them.
     fn cached_mapping(&self, _off: u64, _len: u64) -> Option<&GuardedMap> {
         None
