@@ -160,6 +160,10 @@ extern "C" fn on_sigbus(
             continue;
         }
         if addr >= start && addr - start < slot.len.load(Ordering::Relaxed) {
+            // Counted before the zeros are in place: a thread that reads them without a fault
+            // of its own (the same page, read beside this one) then finds the count when it
+            // checks after its read.
+            slot.faults.fetch_add(1, Ordering::SeqCst);
             let page = addr & !(page_size() - 1);
             // SAFETY: replaces one page inside a mapping this process made and still holds
             // (listed); mmap is a plain system call, safe in a signal handler.
@@ -174,7 +178,6 @@ extern "C" fn on_sigbus(
                 )
             };
             if zeros != libc::MAP_FAILED {
-                slot.faults.fetch_add(1, Ordering::SeqCst);
                 return;
             }
         }
