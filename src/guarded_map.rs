@@ -71,14 +71,6 @@ impl GuardedMap {
         Some(GuardedMap { map, slot })
     }
 
-    pub fn len(&self) -> u64 {
-        self.map.len() as u64
-    }
-
-    pub fn is_empty(&self) -> bool {
-        self.map.is_empty()
-    }
-
     /// `read` given bytes `[off, off + len)` of the file, and what it made; `None` if any page
     /// of the mapping failed before or while it read (then its bytes may hold zeros that are
     /// not the file's, and the caller reads the range the ordinary way). The pages are

@@ -377,10 +377,15 @@ impl Fill {
                 as Arc<RangeDoneFn>
         });
         let decoded_from_cache = let_go.clone();
-        let decode_mapped = local.clone().map(|r| {
+        // Sealed bytes the page cache holds whole are decoded where they lie, through the
+        // local file's own mapping (the one FUSE reads use).
+        let decode_mapped = local.as_ref().and(object.clone()).map(|o| {
             let v = view.clone();
             Box::new(move |off: u64, out: &mut [u8]| {
-                r.decode_mapped(off, out, |sealed, out| v.decode_from(ino, off, sealed, out))
+                let map = o.cached_mapping(off, out.len() as u64)?;
+                map.read(off, out.len(), |sealed| {
+                    v.decode_from(ino, off, sealed, out)
+                })
             }) as Box<MappedDecodeFn>
         });
         let fetch = move |off: u64, buf: &mut [u8]| match (&local, &object) {

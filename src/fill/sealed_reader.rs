@@ -7,17 +7,12 @@ use std::io;
 
 use parking_lot::Mutex;
 
-use crate::guarded_map::GuardedMap;
-
 /// Reads a sealed file into a fill's memory: with `O_DIRECT` straight into the mapping
 /// when the bytes are not in the page cache (no second set of fresh pages for the
 /// sealed file's cache, and no copy), else through the page cache.
 pub(super) struct SealedReader {
     pub(super) file: File,
     pub(super) direct: Option<File>,
-    /// The file mapped, so a chunk whose bytes are in the page cache is decoded from there
-    /// without a copy into a buffer first; `None` where it cannot be (then by `read`).
-    map: Option<GuardedMap>,
     /// Ranges fetched while the file's hash still had to read them, let go once it has.
     kept: Mutex<Vec<(u64, u64)>>,
 }
@@ -38,35 +33,11 @@ impl SealedReader {
             .custom_flags(libc::O_DIRECT)
             .open(&again)
             .ok();
-        let file = File::open(&again)?;
-        let map = GuardedMap::new(&file, file.metadata()?.len());
         Ok(SealedReader {
-            file,
+            file: File::open(&again)?,
             direct,
-            map,
             kept: Mutex::new(Vec::new()),
         })
-    }
-
-    /// What `decode` makes of the sealed bytes of `[off, off + out.len())` read where the page
-    /// cache holds them (a mapping), written into `out`; `None` where the mapping cannot say
-    /// (none, a page not in the cache, or a page of it failed: a file cut short or a disk
-    /// error), and `out` is to be made again from a read.
-    pub(super) fn decode_mapped<E>(
-        &self,
-        off: u64,
-        out: &mut [u8],
-        decode: impl FnOnce(&[u8], &mut [u8]) -> Result<(), E>,
-    ) -> Option<Result<(), E>> {
-        let len = out.len();
-        // A page not in the cache would be read from the disk a page at a time, on a core
-        // that decodes.
-        if !crate::source::local::all_cached(&self.file, off, len as u64) {
-            return None;
-        }
-        self.map
-            .as_ref()?
-            .read(off, len, |sealed| decode(sealed, out))
     }
 
     /// Let the page cache's pages of `[off, off + len)` go, now that those sealed bytes are
@@ -149,44 +120,5 @@ impl SealedReader {
     /// Whether at least half of `[off, off + len)` is in the page cache.
     pub(super) fn mostly_cached(&self, off: u64, len: u64) -> bool {
         crate::source::local::mostly_cached(&self.file, off, len)
-    }
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-    use std::io::Write;
-
-    /// A chunk decoded where the page cache holds it reads the file's bytes through the
-    /// mapping; a file cut short under a read faults there, and from then on every range is
-    /// left to `read`, which tells the truth (a short file).
-    #[test]
-    fn decodes_from_the_mapping_until_the_file_is_cut_short_under_it() {
-        let mut f = tempfile::NamedTempFile::new().unwrap();
-        let bytes: Vec<u8> = (0..256u32 << 10).map(|i| (i % 251) as u8).collect();
-        f.write_all(&bytes).unwrap();
-        let reader = SealedReader::new(f.as_file()).unwrap();
-        let copy = |sealed: &[u8], out: &mut [u8]| -> Result<(), ()> {
-            out.copy_from_slice(sealed);
-            Ok(())
-        };
-        let mut out = vec![0u8; 128 << 10];
-        assert_eq!(reader.decode_mapped(4096, &mut out, copy), Some(Ok(())));
-        assert!(out[..] == bytes[4096..4096 + (128 << 10)]);
-        // Cut short while a decode reads the mapping: the pages past the cut fault.
-        let cut_and_copy = |sealed: &[u8], out: &mut [u8]| -> Result<(), ()> {
-            f.as_file().set_len(64 << 10).unwrap();
-            out.copy_from_slice(sealed);
-            Ok(())
-        };
-        assert_eq!(reader.decode_mapped(0, &mut out, cut_and_copy), None);
-        // Refused from then on, before the cut too.
-        assert_eq!(reader.decode_mapped(0, &mut out[..4096], copy), None);
-        let mut buf = vec![0u8; 64 << 10];
-        assert!(
-            reader.read(128 << 10, &mut buf).is_err(),
-            "read past the cut"
-        );
-        assert!(reader.read(0, &mut buf).is_ok(), "read before the cut");
     }
 }

@@ -496,4 +496,49 @@ mod tests {
             "pread before the cut"
         );
     }
+
+    /// A fill's decode reads the same mapping: a file cut short while a decode reads it
+    /// faults there, the decode is refused, and so is every range after (before the cut too);
+    /// `pread` then tells the truth (a short file).
+    #[test]
+    fn a_file_cut_short_inside_a_mapped_read_refuses_it_and_every_read_after() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("f");
+        let bytes: Vec<u8> = (0..256u32 << 10).map(|i| (i % 251) as u8).collect();
+        std::fs::write(&path, &bytes).unwrap();
+        let object = LocalDir::new(dir.path())
+            .unwrap()
+            .open(Path::new("f"))
+            .unwrap();
+        let copy = |sealed: &[u8], out: &mut [u8]| out.copy_from_slice(sealed);
+        let mut out = vec![0u8; 128 << 10];
+        let map = object.cached_mapping(4096, 128 << 10).expect("cached");
+        assert_eq!(map.read(4096, 128 << 10, |s| copy(s, &mut out)), Some(()));
+        assert!(out[..] == bytes[4096..4096 + (128 << 10)]);
+        let f = std::fs::OpenOptions::new().write(true).open(&path).unwrap();
+        let map = object.cached_mapping(0, 128 << 10).expect("cached");
+        let cut_and_copy = |sealed: &[u8]| {
+            f.set_len(64 << 10).unwrap();
+            copy(sealed, &mut out);
+        };
+        assert_eq!(map.read(0, 128 << 10, cut_and_copy), None);
+        assert_eq!(
+            map.read(0, 4096, |s| s[0]),
+            None,
+            "before the cut, after a fault"
+        );
+        assert!(
+            object.cached_mapping(0, 4096).is_none(),
+            "a mapping that faulted"
+        );
+        let mut buf = vec![0u8; 64 << 10];
+        assert!(
+            object.read_exact_at(&mut buf, 128 << 10).is_err(),
+            "read past the cut"
+        );
+        assert!(
+            object.read_exact_at(&mut buf, 0).is_ok(),
+            "read before the cut"
+        );
+    }
 }
