@@ -1,21 +1,29 @@
 //! Load on a mounted view, checked against the plain checkpoint it was sealed from
 //! (scripts/stress drives it):
 //!
-//!   kllm-stress load    PLAIN MNT --pid PID --seconds S [--readers 8] [--rss-limit-mb N]
-//!   kllm-stress sigterm PLAIN MNT --pid PID
+//!   kllm-stress load    PLAIN MNT --pid PID --seconds S [--readers 8] [--rss-limit-mb N] [--passthrough]
+//!   kllm-stress sigterm PLAIN MNT --pid PID [--passthrough]
 //!
 //! `load`: `--readers` threads read random ranges of random files of the mount (mostly the
 //! largest locked shard; O_DIRECT, so the daemon serves every read, now and then through the
-//! page cache) and one thread reads a read-only mmap of that shard at random windows,
-//! dropping its pages now and then. Every byte is compared with the plain file: a shard's
-//! data region byte for byte, its header as JSON without `kllm.lock`, any other file byte
-//! for byte (the files that differ by design, config.json and the secret files, are
-//! compared as JSON / skipped). The daemon's RSS is sampled every 100 ms. Exits 1 on any
-//! error, wrong byte or RSS above the limit.
+//! page cache), reopening a file now and then, and one thread reads a read-only mmap of that
+//! shard at random windows, dropping its pages now and then and mapping it afresh. Every byte
+//! is compared with the plain file: a shard's data region byte for byte, its header as JSON
+//! without `kllm.lock`, any other file byte for byte (the files that differ by design,
+//! config.json and the secret files, are compared as JSON / skipped). The daemon's own
+//! memory (`RssAnon + RssFile`) is sampled every 100 ms; the decoded copies it maps
+//! (`RssShmem`, passthrough mode) are reported beside it. Exits 1 on any error, wrong byte or
+//! own memory above the limit.
 //!
 //! `sigterm`: eight threads read from open descriptors; SIGTERM goes to the daemon while
-//! they do. Every reader must get an error (none may hang or see a wrong byte), the daemon
-//! must exit, and nothing may stay mounted. Exits 1 otherwise.
+//! they do. No reader may hang or see a wrong byte, the daemon must exit, and nothing may
+//! stay mounted; every reader must get an error, except under `--passthrough`, where a
+//! descriptor the kernel serves from its backing file may go on reading the right bytes
+//! after the daemon is gone. Exits 1 otherwise.
+//!
+//! `--passthrough`: the mount may serve files by FUSE passthrough, where `O_DIRECT` follows
+//! the backing file system's rules (ext4: 4 KiB-aligned offsets, lengths and buffers; the
+//! plain file's rules too), so `O_DIRECT` reads are aligned. Through FUSE they need not be.
 
 use std::collections::BTreeMap;
 use std::fs::{self, File};
@@ -30,8 +38,19 @@ use std::time::{Duration, Instant};
 use serde_json::Value;
 
 use kllm_mount::testkit::{
-    alive, drop_page_cache, is_mounted, kill, open_direct, pread, rss_kib, SplitMix,
+    alive, drop_page_cache, is_mounted, kill, open_direct, pread, pread_direct_aligned, rss,
+    SplitMix,
 };
+
+/// `pread` through an `O_DIRECT` descriptor: 4 KiB-aligned where the mount may serve by
+/// passthrough.
+fn pread_direct(f: &File, off: u64, len: usize, passthrough: bool) -> io::Result<Vec<u8>> {
+    if passthrough {
+        pread_direct_aligned(f, off, len)
+    } else {
+        pread(f, off, len)
+    }
+}
 
 fn die(msg: &str) -> ! {
     eprintln!("kllm-stress: {msg}");
@@ -208,6 +227,7 @@ struct Load {
     files: Vec<Expect>,
     stats: Stats,
     stop: AtomicBool,
+    passthrough: bool,
 }
 
 impl Load {
@@ -218,14 +238,16 @@ impl Load {
 
 /// Reader `t`: random ranges of random files by `pread` (nine in ten on the largest shard),
 /// through O_DIRECT or, one read in eight, the page cache, each compared with the plain file.
+/// One read in 64 first opens its file afresh: a shard opened while its decoded copy fills
+/// is served through FUSE, and once the copy is complete by passthrough.
 fn pread_reader(load: &Load, mnt: &Path, t: usize) {
     let files = &load.files;
     let mut rng = SplitMix(0x5eed ^ (t as u64) << 32 ^ std::process::id() as u64);
-    let direct: Vec<File> = files
+    let mut direct: Vec<File> = files
         .iter()
         .map(|f| open_direct(&mnt.join(&f.rel)))
         .collect();
-    let cached: Vec<File> = files
+    let mut cached: Vec<File> = files
         .iter()
         .map(|f| File::open(mnt.join(&f.rel)).unwrap())
         .collect();
@@ -239,11 +261,24 @@ fn pread_reader(load: &Load, mnt: &Path, t: usize) {
         let off = rng.below(f.len + 1);
         let len = rng.size(4 << 20) as usize;
         let via_cache = rng.below(8) == 0;
+        if rng.below(64) == 0 {
+            let path = mnt.join(&f.rel);
+            if via_cache {
+                cached[i] = File::open(&path).unwrap();
+            } else {
+                direct[i] = open_direct(&path);
+            }
+        }
         let h = if via_cache { &cached[i] } else { &direct[i] };
         if via_cache && rng.below(4) == 0 {
             drop_page_cache(h);
         }
-        match pread(h, off, len) {
+        let got = if via_cache {
+            pread(h, off, len)
+        } else {
+            pread_direct(h, off, len, load.passthrough)
+        };
+        match got {
             Ok(got) => {
                 let want = f.bytes(off, len);
                 if got != want {
@@ -274,30 +309,65 @@ fn pread_reader(load: &Load, mnt: &Path, t: usize) {
     }
 }
 
+/// A private read-only mapping of a whole file of the mount, open as long as it lives.
+struct Mapping {
+    file: File,
+    base: *mut libc::c_void,
+    len: usize,
+}
+
+impl Mapping {
+    fn new(path: &Path, len: usize) -> Mapping {
+        let file = File::open(path).unwrap();
+        // SAFETY: a private read-only mapping of a file we hold open; unmapped on drop. The
+        // mount is not torn down during the load, so no SIGBUS.
+        let base = unsafe {
+            libc::mmap(
+                std::ptr::null_mut(),
+                len,
+                libc::PROT_READ,
+                libc::MAP_PRIVATE,
+                file.as_raw_fd(),
+                0,
+            )
+        };
+        assert_ne!(base, libc::MAP_FAILED, "mmap {}", path.display());
+        Mapping { file, base, len }
+    }
+
+    fn bytes(&self) -> &[u8] {
+        // SAFETY: the mapping made in `new`, `len` bytes, alive until drop.
+        unsafe { std::slice::from_raw_parts(self.base as *const u8, self.len) }
+    }
+
+    /// Let its pages go, in this process and in the kernel's page cache, so they are
+    /// fetched again.
+    fn drop_pages(&self) {
+        // SAFETY: advice on our own mapping.
+        unsafe { libc::madvise(self.base, self.len, libc::MADV_DONTNEED) };
+        drop_page_cache(&self.file);
+    }
+}
+
+impl Drop for Mapping {
+    fn drop(&mut self) {
+        // SAFETY: the mapping made in `new`.
+        unsafe { libc::munmap(self.base, self.len) };
+    }
+}
+
 /// The mmap reader: random windows of a private read-only mapping of the largest (locked)
-/// shard, its pages dropped every 16 reads so they are fetched from the daemon again.
+/// shard, its pages dropped every 16 reads so they are fetched from the daemon again, and
+/// the file opened and mapped afresh every 64.
 fn mmap_reader(load: &Load, mnt: &Path) {
     let big = &load.files[0];
-    let f = File::open(mnt.join(&big.rel)).unwrap();
+    let path = mnt.join(&big.rel);
     let len = big.len as usize;
-    // SAFETY: a private read-only mapping of a file we hold open; unmapped below. The mount
-    // is not torn down during the load, so no SIGBUS.
-    let base = unsafe {
-        libc::mmap(
-            std::ptr::null_mut(),
-            len,
-            libc::PROT_READ,
-            libc::MAP_PRIVATE,
-            f.as_raw_fd(),
-            0,
-        )
-    };
-    assert_ne!(base, libc::MAP_FAILED, "mmap");
-    // SAFETY: the mapping just made, `len` bytes, alive until the munmap below.
-    let map = unsafe { std::slice::from_raw_parts(base as *const u8, len) };
+    let mut mapping = Mapping::new(&path, len);
     let mut rng = SplitMix(0x3a3a);
     let mut n = 0u64;
     while load.running() {
+        let map = mapping.bytes();
         let off = rng.below(len as u64) as usize;
         let l = (rng.size(8 << 20) as usize).min(len - off);
         let want = big.bytes(off as u64, l);
@@ -315,20 +385,22 @@ fn mmap_reader(load: &Load, mnt: &Path) {
         load.stats.bytes.fetch_add(l as u64, Ordering::Relaxed);
         load.stats.reads.fetch_add(1, Ordering::Relaxed);
         n += 1;
-        if n.is_multiple_of(16) {
-            // SAFETY: on our own mapping.
-            unsafe { libc::madvise(base, len, libc::MADV_DONTNEED) };
-            drop_page_cache(&f);
+        if n.is_multiple_of(64) {
+            drop(mapping);
+            mapping = Mapping::new(&path, len);
+        } else if n.is_multiple_of(16) {
+            mapping.drop_pages();
         }
     }
-    // SAFETY: the mapping made above.
-    unsafe { libc::munmap(base, len) };
 }
 
 /// The daemon's memory as sampled while the load ran.
 #[derive(Default)]
 struct DaemonWatch {
-    max_rss_kib: u64,
+    /// `RssAnon + RssFile`.
+    max_own_kib: u64,
+    /// `RssShmem`: decoded copies it maps.
+    max_shmem_kib: u64,
     samples: u64,
     /// It was gone before the end.
     died: bool,
@@ -342,9 +414,10 @@ fn watch_daemon(load: &Load, pid: i32, deadline: Instant) -> DaemonWatch {
     let mut last_report = Instant::now();
     while Instant::now() < deadline {
         std::thread::sleep(Duration::from_millis(100));
-        match rss_kib(pid) {
-            Some(kb) => {
-                w.max_rss_kib = w.max_rss_kib.max(kb);
+        match rss(pid) {
+            Some(r) => {
+                w.max_own_kib = w.max_own_kib.max(r.own_kib);
+                w.max_shmem_kib = w.max_shmem_kib.max(r.shmem_kib);
                 w.samples += 1;
             }
             None => {
@@ -357,14 +430,14 @@ fn watch_daemon(load: &Load, pid: i32, deadline: Instant) -> DaemonWatch {
             last_report = Instant::now();
             let stats = &load.stats;
             eprintln!(
-                "kllm-stress: {:>5.0} s: {} reads, {} MiB, {} errors, {} wrong, daemon RSS {} MiB (max {} MiB)",
+                "kllm-stress: {:>5.0} s: {} reads, {} MiB, {} errors, {} wrong, daemon's own memory {} MiB (max {} MiB)",
                 start.elapsed().as_secs_f64(),
                 stats.reads.load(Ordering::Relaxed),
                 stats.bytes.load(Ordering::Relaxed) >> 20,
                 stats.errors.load(Ordering::Relaxed),
                 stats.wrong.load(Ordering::Relaxed),
-                rss_kib(pid).unwrap_or(0) >> 10,
-                w.max_rss_kib >> 10
+                rss(pid).unwrap_or_default().own_kib >> 10,
+                w.max_own_kib >> 10
             );
         }
     }
@@ -387,7 +460,7 @@ fn report_load(
         stats.errors.load(Ordering::Relaxed),
         stats.wrong.load(Ordering::Relaxed),
     );
-    let rss_ok = rss_limit_mb.is_none_or(|l| watch.max_rss_kib <= l << 10);
+    let rss_ok = rss_limit_mb.is_none_or(|l| watch.max_own_kib <= l << 10);
     println!("load.seconds={secs_run:.0}");
     println!("load.reads={reads}");
     println!("load.bytes_mib={}", bytes >> 20);
@@ -396,7 +469,11 @@ fn report_load(
     println!("load.wrong_bytes={wrong}");
     println!(
         "load.daemon_max_rss_mib={:.1}",
-        watch.max_rss_kib as f64 / 1024.0
+        watch.max_own_kib as f64 / 1024.0
+    );
+    println!(
+        "load.daemon_max_shmem_mib={:.1}",
+        watch.max_shmem_kib as f64 / 1024.0
     );
     println!("load.rss_samples={}", watch.samples);
     if let Some(l) = rss_limit_mb {
@@ -416,11 +493,13 @@ fn load(
     secs: u64,
     readers: usize,
     rss_limit_mb: Option<u64>,
+    passthrough: bool,
 ) -> bool {
     let load = Arc::new(Load {
         files: expectations(plain, mnt),
         stats: Stats::default(),
         stop: AtomicBool::new(false),
+        passthrough,
     });
     let big = &load.files[0];
     eprintln!(
@@ -454,18 +533,35 @@ fn load(
     )
 }
 
-fn sigterm(plain: &Path, mnt: &Path, pid: i32) -> bool {
+/// How a reader of `sigterm` ended.
+enum Ending {
+    /// A read failed, this long after the signal.
+    Failed(io::Error, Duration),
+    /// Still reading the right bytes when told to stop, after the daemon was gone.
+    StillServed,
+    Wrong(String),
+}
+
+fn sigterm(plain: &Path, mnt: &Path, pid: i32, passthrough: bool) -> bool {
     let files = Arc::new(expectations(plain, mnt));
     let stop = Arc::new(AtomicBool::new(false));
     let reads: Arc<Vec<AtomicU64>> = Arc::new((0..8).map(|_| AtomicU64::new(0)).collect());
+    let signalled: Arc<std::sync::OnceLock<Instant>> = Arc::default();
     let (tx, rx) = mpsc::channel();
     for t in 0..8usize {
-        let (files, stop, reads, tx) = (files.clone(), stop.clone(), reads.clone(), tx.clone());
+        let (files, stop, reads, signalled, tx) = (
+            files.clone(),
+            stop.clone(),
+            reads.clone(),
+            signalled.clone(),
+            tx.clone(),
+        );
+        let direct = t % 2 == 0;
         let handles: Vec<File> = files
             .iter()
             .map(|f| {
                 let p = mnt.join(&f.rel);
-                if t % 2 == 0 {
+                if direct {
                     open_direct(&p)
                 } else {
                     File::open(&p).unwrap()
@@ -474,9 +570,9 @@ fn sigterm(plain: &Path, mnt: &Path, pid: i32) -> bool {
             .collect();
         std::thread::spawn(move || {
             let mut rng = SplitMix(77 + t as u64);
-            let outcome = loop {
+            let ending = loop {
                 if stop.load(Ordering::Relaxed) {
-                    break Err("stopped without an error".to_string());
+                    break Ending::StillServed;
                 }
                 let i = if rng.below(4) == 0 {
                     rng.below(files.len() as u64) as usize
@@ -487,15 +583,23 @@ fn sigterm(plain: &Path, mnt: &Path, pid: i32) -> bool {
                 let off = rng.below(f.len + 1);
                 let len = rng.size(1 << 20) as usize;
                 drop_page_cache(&handles[i]);
-                match pread(&handles[i], off, len) {
+                let got = if direct {
+                    pread_direct(&handles[i], off, len, passthrough)
+                } else {
+                    pread(&handles[i], off, len)
+                };
+                match got {
                     Ok(got) if got == f.bytes(off, len) => {
                         reads[t].fetch_add(1, Ordering::Relaxed);
                     }
-                    Ok(_) => break Err(format!("wrong bytes at {} [{off}, +{len})", f.rel)),
-                    Err(e) => break Ok(e),
+                    Ok(_) => break Ending::Wrong(format!("{} [{off}, +{len})", f.rel)),
+                    Err(e) => {
+                        let after = signalled.get().map_or(Duration::ZERO, Instant::elapsed);
+                        break Ending::Failed(e, after);
+                    }
                 }
             };
-            let _ = tx.send((t, outcome));
+            let _ = tx.send((t, ending));
         });
     }
     drop(tx);
@@ -509,24 +613,42 @@ fn sigterm(plain: &Path, mnt: &Path, pid: i32) -> bool {
         std::thread::sleep(Duration::from_millis(5));
     }
     let in_flight: u64 = reads.iter().map(|r| r.load(Ordering::Relaxed)).sum();
+    let _ = signalled.set(Instant::now());
     kill(pid, libc::SIGTERM);
-    let signalled = Instant::now();
+    let exit_deadline = Instant::now() + Duration::from_secs(10);
+    while alive(pid) && Instant::now() < exit_deadline {
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    let exited = !alive(pid);
+    let exited_after = signalled.get().unwrap().elapsed();
+    // Readers served through FUSE have failed by now; any still reading are served by the
+    // kernel from a backing file.
+    std::thread::sleep(Duration::from_millis(200));
+    stop.store(true, Ordering::Relaxed);
     let mut ok = true;
     let mut errors = BTreeMap::new();
     let mut slowest = Duration::ZERO;
+    let mut still_served = 0;
+    let ended_by = Instant::now() + Duration::from_secs(20);
     for _ in 0..8 {
-        match rx.recv_timeout(Duration::from_secs(20)) {
-            Ok((t, Ok(e))) => {
-                slowest = signalled.elapsed();
+        match rx.recv_timeout(ended_by.saturating_duration_since(Instant::now())) {
+            Ok((_, Ending::Failed(e, after))) => {
+                slowest = slowest.max(after);
                 *errors
                     .entry(e.raw_os_error().map_or(e.to_string(), |c| {
                         io::Error::from_raw_os_error(c).to_string()
                     }))
                     .or_insert(0) += 1;
-                let _ = t;
             }
-            Ok((t, Err(why))) => {
-                eprintln!("kllm-stress: reader {t}: {why}");
+            Ok((t, Ending::StillServed)) => {
+                still_served += 1;
+                if !passthrough {
+                    eprintln!("kllm-stress: reader {t} read on without an error");
+                    ok = false;
+                }
+            }
+            Ok((t, Ending::Wrong(what))) => {
+                eprintln!("kllm-stress: reader {t}: WRONG BYTES at {what}");
                 ok = false;
             }
             Err(_) => {
@@ -536,14 +658,6 @@ fn sigterm(plain: &Path, mnt: &Path, pid: i32) -> bool {
             }
         }
     }
-    stop.store(true, Ordering::Relaxed);
-    let exit_deadline = Instant::now() + Duration::from_secs(10);
-    while alive(pid) && Instant::now() < exit_deadline {
-        std::thread::sleep(Duration::from_millis(20));
-    }
-    let exited = !alive(pid);
-    let exited_after = signalled.elapsed();
-    std::thread::sleep(Duration::from_millis(200));
     let still_mounted = is_mounted(mnt);
     println!("sigterm.reads_before_signal={in_flight}");
     println!(
@@ -551,6 +665,7 @@ fn sigterm(plain: &Path, mnt: &Path, pid: i32) -> bool {
         slowest.as_secs_f64()
     );
     println!("sigterm.reader_errors={errors:?}");
+    println!("sigterm.readers_served_after_exit={still_served}");
     println!("sigterm.daemon_exited={exited}");
     println!("sigterm.daemon_exit_s={:.2}", exited_after.as_secs_f64());
     println!("sigterm.still_mounted={still_mounted}");
@@ -559,7 +674,7 @@ fn sigterm(plain: &Path, mnt: &Path, pid: i32) -> bool {
 
 fn main() {
     let args: Vec<String> = std::env::args().skip(1).collect();
-    let usage = "usage: kllm-stress load|sigterm PLAIN MNT --pid PID [--seconds S] [--readers N] [--rss-limit-mb N]";
+    let usage = "usage: kllm-stress load|sigterm PLAIN MNT --pid PID [--seconds S] [--readers N] [--rss-limit-mb N] [--passthrough]";
     if args.len() < 3 {
         die(usage);
     }
@@ -570,6 +685,7 @@ fn main() {
                 .unwrap_or_else(|| die(usage))
         })
     };
+    let passthrough = args.iter().any(|a| a == "--passthrough");
     let pid = opt("--pid").unwrap_or_else(|| die(usage)) as i32;
     let (plain, mnt) = (Path::new(&args[1]), Path::new(&args[2]));
     let ok = match args[0].as_str() {
@@ -580,8 +696,9 @@ fn main() {
             opt("--seconds").unwrap_or(600),
             opt("--readers").unwrap_or(8) as usize,
             opt("--rss-limit-mb"),
+            passthrough,
         ),
-        "sigterm" => sigterm(plain, mnt, pid),
+        "sigterm" => sigterm(plain, mnt, pid, passthrough),
         _ => die(usage),
     };
     std::process::exit(if ok { 0 } else { 1 });

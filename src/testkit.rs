@@ -124,13 +124,28 @@ pub fn kill(pid: i32, sig: i32) {
     unsafe { libc::kill(pid, sig) };
 }
 
-/// Resident memory of `pid` in KiB (`VmRSS` of /proc/PID/status); `None` once it is gone.
-pub fn rss_kib(pid: i32) -> Option<u64> {
-    fs::read_to_string(format!("/proc/{pid}/status"))
-        .ok()?
-        .lines()
-        .find_map(|l| l.strip_prefix("VmRSS:"))
-        .and_then(|v| v.trim().trim_end_matches("kB").trim().parse().ok())
+/// Resident memory of a process in KiB, from /proc/PID/status.
+#[derive(Clone, Copy, Debug, Default)]
+pub struct Rss {
+    /// `RssAnon + RssFile`: the process's own memory.
+    pub own_kib: u64,
+    /// `RssShmem`: shared memory it maps (a daemon's decoded copies in passthrough mode).
+    pub shmem_kib: u64,
+}
+
+/// The resident memory of `pid`; `None` once it is gone.
+pub fn rss(pid: i32) -> Option<Rss> {
+    let status = fs::read_to_string(format!("/proc/{pid}/status")).ok()?;
+    let field = |name: &str| -> Option<u64> {
+        status
+            .lines()
+            .find_map(|l| l.strip_prefix(name)?.strip_prefix(':'))
+            .and_then(|v| v.trim().trim_end_matches("kB").trim().parse().ok())
+    };
+    Some(Rss {
+        own_kib: field("RssAnon")? + field("RssFile")?,
+        shmem_kib: field("RssShmem")?,
+    })
 }
 
 // ---------------------------------------------------------------------------------------
