@@ -1,3 +1,6 @@
+use std::ops::Range;
+
+use super::get::KEEP_BUFFERS;
 use super::*;
 use object_store::memory::InMemory;
 use object_store::ObjectStoreExt;
