@@ -85,6 +85,12 @@ const AWAITED_START: u64 = 2 * CHUNK;
 /// served before the verdict, so their order does not matter, and the hash need not stop
 /// for an unlock that lags.
 const UNLOCKS_BEHIND_HASH: usize = 2;
+/// Unlock tasks in flight per thread of the pool, when no hash sets the pace. With one, a
+/// core that ends its chunk waits for this thread to hand it the next (this thread shares the
+/// cores with the unlocks, the FUSE replies and the reader, and allocates each chunk's memory
+/// first): on two cores they idled 10-11% of a read at once of cached bytes. With two, 8-9%
+/// and the read 1.02-1.05x as fast (docs/PERFORMANCE-LOG.md, "The run of e410732").
+const UNLOCKS_PER_THREAD: usize = 2;
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Priority {
@@ -877,8 +883,8 @@ impl Inner {
     }
 
     /// Unlock fetched chunk `i` (or, `written`, make it by `write_decoded`) as a task of its
-    /// own on `pool` (the global pool if none), up to `most` such tasks at once (0: one per
-    /// thread of the pool). A chunk cut in halves across the cores waits for its slower
+    /// own on `pool` (the global pool if none), up to `most` such tasks at once (0:
+    /// [`UNLOCKS_PER_THREAD`] per thread of the pool). A chunk cut in halves across the cores waits for its slower
     /// half, which shares a core with the reader's FUSE replies and the fetches: the other
     /// core idles at that barrier, 15-20% of a read at once. As tasks a core that ends its
     /// chunk takes the next one, or a piece of one still running (docs/PERFORMANCE-LOG.md, "The
@@ -891,7 +897,11 @@ impl Inner {
         written: bool,
     ) {
         let width = pool.map_or_else(rayon::current_num_threads, |p| p.current_num_threads());
-        let most = if most == 0 { width } else { most };
+        let most = if most == 0 {
+            width * UNLOCKS_PER_THREAD
+        } else {
+            most
+        };
         {
             let mut s = self.state.lock();
             while s.unlocking >= most.max(1) {

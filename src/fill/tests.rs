@@ -1015,9 +1015,9 @@ fn a_chunk_whose_fetch_or_unlock_panics_fails_alone() {
     }
 }
 
-/// With fetches ahead, each chunk is unlocked as a task of its own, one per thread of the
-/// pool at most: a slow chunk does not hold the ones after it back (they finish first and
-/// readers get them), and every byte comes out exact.
+/// With fetches ahead, each chunk is unlocked as a task of its own, at most one running per
+/// thread of the pool: a slow chunk does not hold the ones after it back (they finish first
+/// and readers get them), and every byte comes out exact.
 #[test]
 fn chunks_unlock_as_tasks_of_their_own() {
     let width = rayon::current_num_threads();
