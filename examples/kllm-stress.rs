@@ -28,7 +28,6 @@
 use std::collections::BTreeMap;
 use std::fs::{self, File};
 use std::io;
-use std::os::fd::AsRawFd;
 use std::os::unix::fs::FileExt;
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
@@ -309,51 +308,18 @@ fn pread_reader(load: &Load, mnt: &Path, t: usize) {
     }
 }
 
-/// A private read-only mapping of a whole file of the mount, open as long as it lives.
-struct Mapping {
-    file: File,
-    base: *mut libc::c_void,
-    len: usize,
-}
-
-impl Mapping {
-    fn new(path: &Path, len: usize) -> Mapping {
-        let file = File::open(path).unwrap();
-        // SAFETY: a private read-only mapping of a file we hold open; unmapped on drop. The
-        // mount is not torn down during the load, so no SIGBUS.
-        let base = unsafe {
-            libc::mmap(
-                std::ptr::null_mut(),
-                len,
-                libc::PROT_READ,
-                libc::MAP_PRIVATE,
-                file.as_raw_fd(),
-                0,
-            )
-        };
-        assert_ne!(base, libc::MAP_FAILED, "mmap {}", path.display());
-        Mapping { file, base, len }
+/// The file at `path` opened, and a private read-only mapping of its first `len` bytes.
+fn map_private(path: &Path, len: usize) -> (File, memmap2::Mmap) {
+    let file = File::open(path).unwrap();
+    // SAFETY: a private read-only mapping of a file held open beside it. The mount is not
+    // torn down during the load, so no SIGBUS.
+    let map = unsafe {
+        memmap2::MmapOptions::new()
+            .len(len)
+            .map_copy_read_only(&file)
     }
-
-    fn bytes(&self) -> &[u8] {
-        // SAFETY: the mapping made in `new`, `len` bytes, alive until drop.
-        unsafe { std::slice::from_raw_parts(self.base as *const u8, self.len) }
-    }
-
-    /// Let its pages go, in this process and in the kernel's page cache, so they are
-    /// fetched again.
-    fn drop_pages(&self) {
-        // SAFETY: advice on our own mapping.
-        unsafe { libc::madvise(self.base, self.len, libc::MADV_DONTNEED) };
-        drop_page_cache(&self.file);
-    }
-}
-
-impl Drop for Mapping {
-    fn drop(&mut self) {
-        // SAFETY: the mapping made in `new`.
-        unsafe { libc::munmap(self.base, self.len) };
-    }
+    .unwrap_or_else(|e| panic!("mmap {}: {e}", path.display()));
+    (file, map)
 }
 
 /// The mmap reader: random windows of a private read-only mapping of the largest (locked)
@@ -363,11 +329,10 @@ fn mmap_reader(load: &Load, mnt: &Path) {
     let big = &load.files[0];
     let path = mnt.join(&big.rel);
     let len = big.len as usize;
-    let mut mapping = Mapping::new(&path, len);
+    let (mut file, mut map) = map_private(&path, len);
     let mut rng = SplitMix(0x3a3a);
     let mut n = 0u64;
     while load.running() {
-        let map = mapping.bytes();
         let off = rng.below(len as u64) as usize;
         let l = (rng.size(8 << 20) as usize).min(len - off);
         let want = big.bytes(off as u64, l);
@@ -386,10 +351,11 @@ fn mmap_reader(load: &Load, mnt: &Path) {
         load.stats.reads.fetch_add(1, Ordering::Relaxed);
         n += 1;
         if n.is_multiple_of(64) {
-            drop(mapping);
-            mapping = Mapping::new(&path, len);
+            (file, map) = map_private(&path, len);
         } else if n.is_multiple_of(16) {
-            mapping.drop_pages();
+            // SAFETY: a private read-only mapping: its pages are fetched again when next read.
+            let _ = unsafe { map.unchecked_advise(memmap2::UncheckedAdvice::DontNeed) };
+            drop_page_cache(&file);
         }
     }
 }

@@ -354,13 +354,27 @@ impl View {
             out.copy_from_slice(sealed);
             return self.unlock_in_place(ino, off, out);
         };
-        let raw = |at: u64, b: &mut [u8]| source::raw_read(&**object, at, b);
-        shard.decode_from(off, sealed, out, &raw)?;
-        Stats::add(&self.stats.bytes_decoded, out.len() as u64);
+        self.decode_shard_from(&**object, shard, off, sealed, out)?;
         // As in `unlock_in_place`: a change of the file before or during the read is caught.
         if off + out.len() as u64 > shard.data_start {
             object.check_unchanged()?;
         }
+        Ok(())
+    }
+
+    /// A shard's view bytes `[off, off + out.len())` from `sealed`, its sealed bytes there,
+    /// counted as decoded (the caller checks the file unchanged after).
+    fn decode_shard_from(
+        &self,
+        object: &dyn Object,
+        shard: &Shard,
+        off: u64,
+        sealed: &[u8],
+        out: &mut [u8],
+    ) -> Result<(), ReadError> {
+        let raw = |at: u64, b: &mut [u8]| source::raw_read(object, at, b);
+        shard.decode_from(off, sealed, out, &raw)?;
+        Stats::add(&self.stats.bytes_decoded, out.len() as u64);
         Ok(())
     }
 
@@ -405,13 +419,12 @@ impl View {
                 // Sealed bytes in the page cache are decoded where they lie: each read once,
                 // and only the bytes asked for (no block of the cache to fill).
                 let mapped = object.cached_mapping(off, len as u64).and_then(|map| {
-                    map.read(off, len, |sealed| shard.decode_from(off, sealed, out, &raw))
+                    map.read(off, len, |sealed| {
+                        self.decode_shard_from(&**object, shard, off, sealed, out)
+                    })
                 });
                 match mapped {
-                    Some(made) => {
-                        made?;
-                        Stats::add(&self.stats.bytes_decoded, len as u64);
-                    }
+                    Some(made) => made?,
                     None => {
                         let done = self.cache.read_shard(ino, shard, off, out, &raw)?;
                         Stats::add(&self.stats.cache_hits, done.hits);

@@ -884,9 +884,9 @@ impl Inner {
 
     /// Unlock fetched chunk `i` (or, `written`, make it by `write_decoded`) as a task of its
     /// own on `pool` (the global pool if none), up to `most` such tasks at once (0:
-    /// [`UNLOCKS_PER_THREAD`] per thread of the pool). A chunk cut in halves across the cores waits for its slower
-    /// half, which shares a core with the reader's FUSE replies and the fetches: the other
-    /// core idles at that barrier, 15-20% of a read at once. As tasks a core that ends its
+    /// [`UNLOCKS_PER_THREAD`] per thread of the pool). A chunk cut in halves across the
+    /// cores waits for its slower half, which shares a core with the reader's FUSE replies
+    /// and the fetches: the other core idles at that barrier, 15-20% of a read at once. As tasks a core that ends its
     /// chunk takes the next one, or a piece of one still running (docs/PERFORMANCE-LOG.md, "The
     /// decode on two cores").
     fn unlock_beside(
