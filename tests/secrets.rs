@@ -11,7 +11,6 @@ mod common;
 use std::collections::{BTreeMap, BTreeSet};
 use std::ffi::OsStr;
 use std::fs::{self, File};
-use std::os::fd::AsRawFd;
 use std::os::unix::process::CommandExt;
 use std::path::{Path, PathBuf};
 use std::process::{Command, Stdio};
@@ -155,25 +154,13 @@ fn nothing_plain_reaches_a_disk_during_a_full_read() {
 
 fn mmap_read(path: &Path) -> Vec<u8> {
     let f = File::open(path).unwrap();
-    let len = f.metadata().unwrap().len() as usize;
-    if len == 0 {
+    if f.metadata().unwrap().len() == 0 {
         return Vec::new();
     }
-    // SAFETY: a private read-only mapping of a file we hold open, unmapped below.
-    unsafe {
-        let p = libc::mmap(
-            std::ptr::null_mut(),
-            len,
-            libc::PROT_READ,
-            libc::MAP_PRIVATE,
-            f.as_raw_fd(),
-            0,
-        );
-        assert_ne!(p, libc::MAP_FAILED, "mmap {}", path.display());
-        let out = std::slice::from_raw_parts(p as *const u8, len).to_vec();
-        libc::munmap(p, len);
-        out
-    }
+    // SAFETY: a private read-only mapping of a file held open while it is read.
+    let map = unsafe { memmap2::MmapOptions::new().map_copy_read_only(&f) }
+        .unwrap_or_else(|e| panic!("mmap {}: {e}", path.display()));
+    map.to_vec()
 }
 
 // ---------------------------------------------------------------------------------------
