@@ -9,15 +9,13 @@
 //! The page size is chosen per mount ([`Pages`]): folios where the kernel gives a tmpfs
 //! mounted `huge=within_size` folios as large as each allocation (Linux 6.14+), else 2 MiB
 //! pages (`huge=always`). Both serve reads about as fast as the page cache of a plain file,
-//! where 4 KiB pages take three times the CPU. Memory someone waits for comes in 128 KiB
-//! folios, made of memory the host still backs: on a VM whose host takes back the free
-//! blocks the guest reports (free page reporting: 2 MiB and more), a fresh 1 or 2 MiB block
-//! costs 2-3 s per GiB to touch, while the smaller free blocks are never reported, and the
-//! sealed file's page cache, which a fill lets go chunk by chunk, comes back as folios of
-//! 128 KiB and more. Memory no one waits for yet comes in 1 MiB folios, leaving those to
-//! the processes that wait (docs/PERFORMANCE-LOG.md, "Fresh memory on this VM"), and in 2 MiB
-//! folios where its sealed bytes are in the page cache: made of the reported blocks, it
-//! leaves the memory the host still backs to what the engine allocates after its load.
+//! where 4 KiB pages take three times the CPU. Copies come in 1 MiB folios: below the 2 MiB
+//! blocks that a VM's guest reports free to its host (free page reporting), which the host
+//! takes back and which then cost 2-3 s per GiB to touch again, and large enough to fill and
+//! read back faster than smaller ones (docs/PERFORMANCE-LOG.md, "Fresh memory on this VM",
+//! "Page size of the decoded copy"). Decode ahead of sealed bytes in the page cache takes 2
+//! MiB folios: made of the reported blocks, it leaves the memory the host still backs to
+//! what the engine allocates after its load.
 
 use std::fs::File;
 use std::io;
@@ -34,25 +32,15 @@ use rustix::mount::{FsMountFlags, FsOpenFlags, MountAttrFlags};
 pub enum Pages {
     /// 2 MiB pages: `huge=always`, memory allocated in any steps.
     Huge,
-    /// Folios as large as each allocation (`huge=within_size`): 128 KiB, or 1 or 2 MiB for
-    /// memory no one waits for yet; memory allocated in file order.
+    /// Folios as large as each allocation (`huge=within_size`): 1 MiB, or 2 MiB for decode
+    /// ahead of cached bytes; memory allocated in file order.
     Folios,
 }
 
 impl Pages {
-    /// The allocation step for memory someone waits for: the largest that keeps this page
-    /// size.
+    /// The allocation step of a decoded copy (but for decode ahead of cached bytes): the
+    /// largest below the blocks a VM's guest reports to its host, or the page size.
     pub fn step(self) -> u64 {
-        match self {
-            Pages::Huge => 2 << 20,
-            Pages::Folios => 128 << 10,
-        }
-    }
-
-    /// The allocation step for memory no one waits for yet (decode ahead): 1 MiB folios,
-    /// which leave the smaller free blocks, memory the host still backs, to the processes
-    /// that wait meanwhile, and read back a little faster (`fill::Steps`).
-    pub fn background_step(self) -> u64 {
         match self {
             Pages::Huge => 2 << 20,
             Pages::Folios => 1 << 20,
@@ -67,7 +55,7 @@ impl Pages {
     /// which leaves the fill time for the dearer memory; bytes read from the disk do not
     /// (a cold start would wait for the slower fill), nor do a file's first two chunks,
     /// which an open that comes with the mount waits for (`fill::AWAITED_START`).
-    pub fn cached_background_step(self) -> u64 {
+    pub fn ahead_cached_step(self) -> u64 {
         2 << 20
     }
 
@@ -81,7 +69,7 @@ impl Pages {
     pub fn name(self) -> &'static str {
         match self {
             Pages::Huge => "2 MiB",
-            Pages::Folios => "128 KiB, 1 MiB and 2 MiB",
+            Pages::Folios => "1 MiB and 2 MiB",
         }
     }
 }

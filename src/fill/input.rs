@@ -31,39 +31,30 @@ pub struct Target {
     pub reservation: Option<crate::memfs::Reservation>,
 }
 
-/// Allocation steps (see `memfs::allocate_range`), which set the folio size, by the fill's
-/// priority.
+/// Allocation steps (see `memfs::allocate_range`), which set the folio size.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct Steps {
-    /// While no one waits (decode ahead): large folios. On a VM whose host takes back the
-    /// free blocks the guest reports, they are made of the memory that is dear to touch,
-    /// which leaves the memory the host still backs to the processes that wait meanwhile
-    /// (an engine importing, then loading); and they read back a little faster.
-    pub ahead: u64,
+    /// Every allocation but those below (see `memfs::Pages::step`).
+    pub copy: u64,
     /// Decode ahead of sealed bytes in the page cache (`Input::in_page_cache`): the folios
     /// of the free blocks a VM's guest reports (see `memfs::Pages`).
     pub ahead_cached: u64,
-    /// When an open or a read waits: folios made of memory the host still backs (see
-    /// `memfs::Pages`).
-    pub demand: u64,
 }
 
 impl Steps {
     /// The steps of a private memory's page size.
     pub fn of(pages: crate::memfs::Pages) -> Steps {
         Steps {
-            ahead: pages.background_step(),
-            ahead_cached: pages.cached_background_step(),
-            demand: pages.step(),
+            copy: pages.step(),
+            ahead_cached: pages.ahead_cached_step(),
         }
     }
 
     /// One step whatever the priority.
     pub fn same(step: u64) -> Steps {
         Steps {
-            ahead: step,
+            copy: step,
             ahead_cached: step,
-            demand: step,
         }
     }
 }

@@ -1170,8 +1170,7 @@ impl Inner {
             Priority::Ahead if *allocated >= AWAITED_START && in_page_cache() => {
                 self.steps.ahead_cached
             }
-            Priority::Ahead => self.steps.ahead,
-            Priority::Demand => self.steps.demand,
+            _ => self.steps.copy,
         };
         match self.file.lock().as_ref() {
             Some(f) => crate::memfs::allocate_range(f, *allocated, to, step)?,
