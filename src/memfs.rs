@@ -9,13 +9,14 @@
 //! The page size is chosen per mount ([`Pages`]): folios where the kernel gives a tmpfs
 //! mounted `huge=within_size` folios as large as each allocation (Linux 6.14+), else 2 MiB
 //! pages (`huge=always`). Both serve reads about as fast as the page cache of a plain file,
-//! where 4 KiB pages take three times the CPU. Copies come in 1 MiB folios: below the 2 MiB
-//! blocks that a VM's guest reports free to its host (free page reporting), which the host
-//! takes back and which then cost 2-3 s per GiB to touch again, and large enough to fill and
-//! read back faster than smaller ones (docs/PERFORMANCE-LOG.md, "Fresh memory on this VM",
-//! "Page size of the decoded copy"). Decode ahead of sealed bytes in the page cache takes 2
-//! MiB folios: made of the reported blocks, it leaves the memory the host still backs to
-//! what the engine allocates after its load.
+//! where 4 KiB pages take three times the CPU. A copy comes in 512 KiB folios: below the 2
+//! MiB blocks that a VM's guest reports free to its host (free page reporting), which the
+//! host takes back and which then cost 2-3 s per GiB to touch again, and large enough to fill
+//! and read back faster than smaller ones; 1 MiB ones run short of free blocks of their size
+//! when a loader also allocates as it reads (docs/PERFORMANCE-LOG.md, "Fresh memory on this
+//! VM", "Page size of the decoded copy"). Decode ahead from the disk takes 1 MiB folios, and
+//! of sealed bytes in the page cache 2 MiB ones: made of the reported blocks, it leaves the
+//! memory the host still backs to what the engine allocates after its load.
 
 use std::fs::File;
 use std::io;
@@ -32,15 +33,26 @@ use rustix::mount::{FsMountFlags, FsOpenFlags, MountAttrFlags};
 pub enum Pages {
     /// 2 MiB pages: `huge=always`, memory allocated in any steps.
     Huge,
-    /// Folios as large as each allocation (`huge=within_size`): 1 MiB, or 2 MiB for decode
-    /// ahead of cached bytes; memory allocated in file order.
+    /// Folios as large as each allocation (`huge=within_size`): 512 KiB, or 1 or 2 MiB for
+    /// decode ahead; memory allocated in file order.
     Folios,
 }
 
 impl Pages {
-    /// The allocation step of a decoded copy (but for decode ahead of cached bytes): the
-    /// largest below the blocks a VM's guest reports to its host, or the page size.
+    /// The allocation step of a copy someone waits for: 512 KiB folios, whose free blocks (too
+    /// small for a VM's guest to report to its host) last through a load (see the module's
+    /// docs).
     pub fn step(self) -> u64 {
+        match self {
+            Pages::Huge => 2 << 20,
+            Pages::Folios => 512 << 10,
+        }
+    }
+
+    /// The allocation step of decode ahead of bytes from the disk: 1 MiB folios, which
+    /// leave the smaller free blocks, memory the host still backs, to the processes that
+    /// wait meanwhile.
+    pub fn ahead_step(self) -> u64 {
         match self {
             Pages::Huge => 2 << 20,
             Pages::Folios => 1 << 20,
@@ -69,7 +81,7 @@ impl Pages {
     pub fn name(self) -> &'static str {
         match self {
             Pages::Huge => "2 MiB",
-            Pages::Folios => "1 MiB and 2 MiB",
+            Pages::Folios => "512 KiB, 1 MiB and 2 MiB",
         }
     }
 }

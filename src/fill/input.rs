@@ -31,30 +31,38 @@ pub struct Target {
     pub reservation: Option<crate::memfs::Reservation>,
 }
 
-/// Allocation steps (see `memfs::allocate_range`), which set the folio size.
+/// Allocation steps (see `memfs::allocate_range`), which set the folio size, by the fill's
+/// priority.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct Steps {
-    /// Every allocation but those below (see `memfs::Pages::step`).
-    pub copy: u64,
+    /// While no one waits (decode ahead) for bytes from the disk: large folios, made of the
+    /// memory that is dear to touch on a VM whose host takes back the free blocks the guest
+    /// reports, which leaves the memory the host still backs to the processes that wait
+    /// meanwhile (an engine importing, then loading).
+    pub ahead: u64,
     /// Decode ahead of sealed bytes in the page cache (`Input::in_page_cache`): the folios
     /// of the free blocks a VM's guest reports (see `memfs::Pages`).
     pub ahead_cached: u64,
+    /// When an open or a read waits (see `memfs::Pages::step`).
+    pub demand: u64,
 }
 
 impl Steps {
     /// The steps of a private memory's page size.
     pub fn of(pages: crate::memfs::Pages) -> Steps {
         Steps {
-            copy: pages.step(),
+            ahead: pages.ahead_step(),
             ahead_cached: pages.ahead_cached_step(),
+            demand: pages.step(),
         }
     }
 
     /// One step whatever the priority.
     pub fn same(step: u64) -> Steps {
         Steps {
-            copy: step,
+            ahead: step,
             ahead_cached: step,
+            demand: step,
         }
     }
 }

@@ -1170,7 +1170,8 @@ impl Inner {
             Priority::Ahead if *allocated >= AWAITED_START && in_page_cache() => {
                 self.steps.ahead_cached
             }
-            _ => self.steps.copy,
+            Priority::Ahead => self.steps.ahead,
+            Priority::Demand => self.steps.demand,
         };
         match self.file.lock().as_ref() {
             Some(f) => crate::memfs::allocate_range(f, *allocated, to, step)?,
