@@ -89,7 +89,8 @@ const UNLOCKS_BEHIND_HASH: usize = 2;
 /// core that ends its chunk waits for this thread to hand it the next (this thread shares the
 /// cores with the unlocks, the FUSE replies and the reader, and allocates each chunk's memory
 /// first): on two cores they idled 10-11% of a read at once of cached bytes. With two, 8-9%
-/// and the read 1.02-1.05x as fast (docs/PERFORMANCE-LOG.md, "The runs of e410732 and d819c76").
+/// and the read 1.02-1.05x as fast (docs/PERFORMANCE-LOG.md, "The runs of e410732, d819c76
+/// and 0461e3e").
 const UNLOCKS_PER_THREAD: usize = 2;
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
