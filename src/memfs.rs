@@ -9,14 +9,15 @@
 //! The page size is chosen per mount ([`Pages`]): folios where the kernel gives a tmpfs
 //! mounted `huge=within_size` folios as large as each allocation (Linux 6.14+), else 2 MiB
 //! pages (`huge=always`). Both serve reads about as fast as the page cache of a plain file,
-//! where 4 KiB pages take three times the CPU. A copy comes in 512 KiB folios: below the 2
-//! MiB blocks that a VM's guest reports free to its host (free page reporting), which the
-//! host takes back and which then cost 2-3 s per GiB to touch again, and large enough to fill
-//! and read back faster than smaller ones; 1 MiB ones run short of free blocks of their size
-//! when a loader also allocates as it reads (docs/PERFORMANCE-LOG.md, "Fresh memory on this
-//! VM", "Page size of the decoded copy"). Decode ahead from the disk takes 1 MiB folios, and
-//! of sealed bytes in the page cache 2 MiB ones: made of the reported blocks, it leaves the
-//! memory the host still backs to what the engine allocates after its load.
+//! where 4 KiB pages take three times the CPU. A copy someone waits for comes in 512 KiB
+//! folios: below the 2 MiB blocks that a VM's guest reports free to its host (free page
+//! reporting), which the host takes back and which then cost 2-3 s per GiB to touch again,
+//! and large enough to fill and read back faster than smaller ones; 1 MiB ones run short of
+//! free blocks of their size when a loader also allocates as it reads (docs/PERFORMANCE-LOG.md,
+//! "Fresh memory on this VM", "Page size of the decoded copy"). Decode ahead, which no one
+//! waits for yet, takes 1 MiB folios, leaving the smaller blocks to the processes that wait,
+//! and 2 MiB ones where its sealed bytes are in the page cache: made of the reported blocks,
+//! it leaves the memory the host still backs to what the engine allocates after its load.
 
 use std::fs::File;
 use std::io;
