@@ -35,10 +35,10 @@ pub struct Target {
 /// priority.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct Steps {
-    /// While no one waits (decode ahead) for bytes from the disk: large folios, made of the
-    /// memory that is dear to touch on a VM whose host takes back the free blocks the guest
-    /// reports, which leaves the memory the host still backs to the processes that wait
-    /// meanwhile (an engine importing, then loading).
+    /// While no one waits (decode ahead) for bytes from the disk: larger folios than a
+    /// waited-for fill's, which leave the smaller free blocks, memory the host still backs, to
+    /// the processes that wait meanwhile (an engine importing, then loading; see
+    /// `memfs::Pages::ahead_step`).
     pub ahead: u64,
     /// Decode ahead of sealed bytes in the page cache (`Input::in_page_cache`): the folios
     /// of the free blocks a VM's guest reports (see `memfs::Pages`).

@@ -887,9 +887,9 @@ impl Inner {
     /// own on `pool` (the global pool if none), up to `most` such tasks at once (0:
     /// [`UNLOCKS_PER_THREAD`] per thread of the pool). A chunk cut in halves across the
     /// cores waits for its slower half, which shares a core with the reader's FUSE replies
-    /// and the fetches: the other core idles at that barrier, 15-20% of a read at once. As tasks a core that ends its
-    /// chunk takes the next one, or a piece of one still running (docs/PERFORMANCE-LOG.md, "The
-    /// decode on two cores").
+    /// and the fetches: the other core idles at that barrier, 15-20% of a read at once. As
+    /// tasks a core that ends its chunk takes the next one, or a piece of one still running
+    /// (docs/PERFORMANCE-LOG.md, "The decode on two cores").
     fn unlock_beside(
         self: &Arc<Self>,
         pool: Option<&'static rayon::ThreadPool>,
