@@ -34,6 +34,21 @@ impl RemoteObject {
         start..(start + p).min(self.meta.size)
     }
 
+    /// The parts `[off, end)` covers, in order: each one's index, its range, and the
+    /// stretch of it asked for.
+    fn parts_of(
+        &self,
+        off: u64,
+        end: u64,
+    ) -> impl Iterator<Item = (u64, Range<u64>, Range<u64>)> + '_ {
+        let p = self.remote.tuning.part_size;
+        (off / p..=(end - 1) / p).map(move |idx| {
+            let range = self.part_range(idx);
+            let asked = off.max(range.start)..end.min(range.end);
+            (idx, range, asked)
+        })
+    }
+
     /// What the node cache files this version under: the store, the object and its version.
     pub(super) fn cache_key(&self, store: &str) -> String {
         format!(
@@ -226,11 +241,8 @@ impl Object for RemoteObject {
         let Some(end) = self.begin_read(off, buf.len())? else {
             return Ok(());
         };
-        let p = self.remote.tuning.part_size;
         let live = self.live()?;
-        for idx in off / p..=(end - 1) / p {
-            let range = self.part_range(idx);
-            let (lo, hi) = (off.max(range.start), end.min(range.end));
+        for (idx, range, Range { start: lo, end: hi }) in self.parts_of(off, end) {
             let dst = &mut buf[(lo - off) as usize..(hi - off) as usize];
             if lo != range.start || hi != range.end || self.remote.holds(self.id, idx) {
                 self.copy_from_part(&live, idx, dst, lo, asked)?;
@@ -279,9 +291,7 @@ impl Object for RemoteObject {
                 .block_on(job.get_into(&mut CallerMemory { buf: dst, at: 0 }))
                 .map_err(|f| self.fail(&f, &(from..to)))
         };
-        for idx in off / p..=(end - 1) / p {
-            let part = self.part_range(idx);
-            let (lo, hi) = (off.max(part.start), end.min(part.end));
+        for (idx, part, Range { start: lo, end: hi }) in self.parts_of(off, end) {
             let dst = (lo - off) as usize..(hi - off) as usize;
             let had = if self.remote.holds(self.id, idx) {
                 self.copy_from_part(&live, idx, &mut buf[dst], lo, asked)?;
