@@ -1,3 +1,8 @@
+use super::dispatch::FIRST_FETCHES;
+use super::fetch::PREFETCH_WINDOW;
+use super::input::disk_look;
+use super::pools::WRITE_PIECE;
+use super::sealed_reader::SealedReader;
 use super::*;
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 
@@ -1173,7 +1178,7 @@ static PIECE_BUFFERS_TURN: Mutex<()> = Mutex::new(());
 fn every_piece_buffer(what: &str) -> Vec<super::pools::PieceBuffer> {
     let mut held = Vec::new();
     wait_until(30, what, || {
-        held.extend(std::iter::from_fn(super::take_piece_buffer));
+        held.extend(std::iter::from_fn(super::pools::take_piece_buffer));
         held.len() == super::PIECE_BUFFERS
     });
     held
@@ -1192,7 +1197,7 @@ fn cached_pieces_without_a_buffer_are_unlocked_in_place() {
     let all = copy_bytes(&f.wait_complete(Duration::from_secs(60)).expect("complete"));
     drop(held);
     expect(0, &all);
-    let pieces = (n * CHUNK / super::WRITE_PIECE) as usize;
+    let pieces = (n * CHUNK / WRITE_PIECE) as usize;
     assert_eq!(fetches.load(Ordering::SeqCst), pieces, "a fetch per piece");
 }
 
@@ -1202,7 +1207,7 @@ fn free_piece_buffers_are_let_go_and_made_again() {
     let _turn = PIECE_BUFFERS_TURN.lock();
     drop(every_piece_buffer("every piece buffer"));
     // Another test's fill may take one back between the two lines, not all of them.
-    assert!(super::drain_piece_buffers() >= super::WRITE_PIECE);
+    assert!(super::drain_piece_buffers() >= WRITE_PIECE);
     every_piece_buffer("every piece buffer, made again");
 }
 
