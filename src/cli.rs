@@ -313,7 +313,7 @@ fn warn_at_mount(args: &Args, w: &str) {
 /// is hashed before its first byte (the hash reads it whole) and then downloaded again by
 /// its reads, unless a node cache keeps the first download: worth saying once at mount,
 /// with what avoids it. Check ahead decodes each shard it hashes into the kernel's page
-/// cache from the same download (`ShardWalk::check_and_store` in `ahead::store`).
+/// cache from the same download (`ShardWalk::check_and_store` in `ahead::check`).
 fn downloaded_twice(args: &Args, served: &Served) -> Option<String> {
     let remote = !matches!(Location::parse(args.sealed()), Ok(Location::Local(_)));
     if !remote

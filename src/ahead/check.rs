@@ -8,8 +8,9 @@ use parking_lot::Mutex;
 use crate::background::run_in_background;
 use crate::view::{Ino, View};
 
-use super::fetch::FetchPlan;
+use super::fetch::{FetchPlan, ShardWalk};
 use super::spawn;
+use super::store::{Hashed, Storing, HASH_STEP};
 
 /// The largest file check ahead may be hashing for an open of a shard to wait for it to
 /// end, rather than hash that shard itself.
@@ -250,6 +251,97 @@ pub fn awaits_any_verdict(view: &View) -> bool {
     view.file_paths()
         .iter()
         .any(|&(_, ino)| view.awaits_verdict(ino))
+}
+
+impl ShardWalk<Storing> {
+    /// Check remote shard `ino` under a manifest by reading it once: its sealed bytes are
+    /// hashed a step at a time for the verdict (the file's digest fed, as a passthrough fill
+    /// feeds it), and each step within the bound is handed in its buffer to the store
+    /// thread, which unlocks it in place and stores it in the kernel's page cache. Hashed,
+    /// then fetched ahead, the shard was downloaded twice. The pages stored before the
+    /// verdict are read by no one: every open of the file waits for the verdict, and a
+    /// failed one refuses them all; they are dropped then. While an open waits, the store
+    /// thread runs urged too (`Handoff::take_buffer`). Whether the shard was checked here
+    /// (false: not a remote shard awaiting its verdict, no store thread, or an open hashes
+    /// it).
+    fn check_and_store(&mut self, view: &View, check: &CheckAhead, ino: Ino) -> bool {
+        let (Some(handoff), Some(cache)) = (self.steps.handoff.clone(), self.steps.cache.clone())
+        else {
+            return false;
+        };
+        let Ok(Some(object)) = view.sealed_object(ino) else {
+            return false;
+        };
+        if handoff.ended() || !object.holds_fetched_ahead() || !view.awaits_verdict(ino) {
+            return false;
+        }
+        if !check.claim(ino, object.len()) {
+            return false;
+        }
+        let Some(mut feeder) = view.digest_feeder(ino) else {
+            check.done();
+            return false;
+        };
+        // An open waiting for this shard now waits for the digest fed here.
+        check.taken(ino);
+        log::debug!(
+            "check ahead: {} hashed and stored in one read",
+            view.path_of(ino)
+        );
+        let mut plain: Vec<u8> = Vec::new();
+        let mut off = 0;
+        while off < object.len() {
+            let n = (HASH_STEP as u64).min(object.len() - off) as usize;
+            let mut buf = match self.total < self.bound {
+                true => handoff.take_buffer(|| check.urged()),
+                false => None,
+            };
+            let bytes = match buf.as_mut() {
+                Some(b) => &mut b[..n],
+                None => {
+                    plain.resize(n, 0);
+                    &mut plain[..n]
+                }
+            };
+            if let Err(e) = crate::source::raw_read(&**object, off, bytes) {
+                // The feeder given up: the verdict hashes the file itself, and meets the
+                // failure there.
+                log::debug!("check ahead: {} not read at {off}: {e}", view.path_of(ino));
+                if let Some(b) = buf {
+                    handoff.give_back(b);
+                }
+                break;
+            }
+            feeder.feed(off, bytes);
+            if let Some(b) = buf {
+                self.total += n as u64;
+                crate::metrics::Stats::add(&self.steps.stats.bytes_fetched_ahead, n as u64);
+                handoff.hand_hashed(Hashed {
+                    ino,
+                    off,
+                    len: n,
+                    buf: b,
+                    urged: check.urged(),
+                });
+            }
+            off += n as u64;
+        }
+        // Whole, the digest is in; else the verdict hashes the file itself. The urge (set
+        // only by this loop's takes) ends with the shard; its pieces still queued keep theirs.
+        drop(feeder);
+        handoff
+            .urged
+            .store(false, std::sync::atomic::Ordering::Relaxed);
+        if view.verify(ino).is_err() {
+            handoff.drain();
+            if let Err(e) = cache.invalidate(ino) {
+                log::warn!("{}: its pages not dropped ({e})", view.path_of(ino));
+            }
+        }
+        check.done();
+        log::debug!("check ahead: {} checked", view.path_of(ino));
+        true
+    }
 }
 
 #[cfg(test)]

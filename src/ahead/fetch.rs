@@ -12,7 +12,7 @@ use crate::source::Object;
 use crate::view::{Ino, View};
 
 use super::spawn;
-use super::store::Storing;
+use super::store::{PageCache, Steps, Storing};
 
 /// Fetch ahead: where shards are served through FUSE, their sealed bytes are what an open
 /// would wait for (under a manifest, once hashed). Right after mounting (under a manifest,
@@ -34,18 +34,6 @@ use super::store::Storing;
 pub struct FetchAhead {
     /// The shards opened so far.
     opened: Mutex<HashSet<Ino>>,
-}
-
-/// The kernel's page cache of the mount's files, which the FUSE adapter fills
-/// (`FUSE_NOTIFY_STORE`): what fetch ahead decodes goes there.
-pub trait PageCache: Send + Sync {
-    /// Have the kernel know file `path` of the view (a lookup through the mount): it keeps
-    /// pages only for files it knows.
-    fn look_up(&self, path: &str) -> std::io::Result<()>;
-    /// Put `bytes`, the view's bytes of file `ino` at `off`, into its page cache.
-    fn store(&self, ino: Ino, off: u64, bytes: &[u8]) -> std::io::Result<()>;
-    /// Drop every page of file `ino` from its page cache.
-    fn invalidate(&self, ino: Ino) -> std::io::Result<()>;
 }
 
 /// The widest step of fetch ahead, in bytes asked for at once (each step waits for its
@@ -109,19 +97,10 @@ impl FetchPlan {
         // Nobody waits for it: the engine's own start keeps the CPU.
         // SAFETY: gettid has no preconditions.
         run_in_background(unsafe { libc::gettid() }, true);
-        let sink = Storing::start(view, self.page_cache, self.ahead.clone());
+        let ahead = self.ahead.clone();
+        let sink = Storing::start(view, self.page_cache, move |ino| ahead.is_opened(ino));
         ShardWalk::new(self.ahead, self.bound, sink)
     }
-}
-
-/// Where fetch ahead's steps go.
-pub(super) trait Steps {
-    /// Whether they are stored in the kernel (opened shards are then skipped, not the end).
-    fn stores(&self) -> bool;
-    /// Bytes `[off, off + len)` of shard `ino` are in; `held`: in the daemon's memory.
-    fn fetched(&mut self, ino: Ino, off: u64, len: u64, held: bool);
-    /// Wait until every step handed on was stored; whether any was waiting.
-    fn drain(&mut self) -> bool;
 }
 
 /// Fetch ahead's walk over the shards, one after another: the ramp of its steps and the

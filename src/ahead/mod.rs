@@ -19,14 +19,15 @@
 //! brought in, in that order (remote parts kept until read, local pages into the page
 //! cache), and decoded into the kernel's page cache of the mount on a second thread beside
 //! the next fetch; under a manifest, each shard right after its check, or, remote, from the
-//! bytes its check downloads (`ShardWalk::check_and_store`, in `store` with the store thread).
+//! bytes its check downloads (`ShardWalk::check_and_store`, in `check`).
 
 mod check;
 mod fetch;
 mod store;
 
 pub use check::{awaits_any_verdict, CheckAhead};
-pub use fetch::{FetchAhead, FetchPlan, PageCache};
+pub use fetch::{FetchAhead, FetchPlan};
+pub use store::PageCache;
 
 use std::cmp::Ordering;
 use std::sync::Arc;

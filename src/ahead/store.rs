@@ -10,8 +10,6 @@ use parking_lot::Mutex;
 use crate::background::run_in_background;
 use crate::view::{Ino, View};
 
-use super::check::CheckAhead;
-use super::fetch::{FetchAhead, PageCache, ShardWalk, Steps};
 use super::spawn;
 
 /// Bytes decoded at once to store: small enough to decode on the store thread alone (a
@@ -25,7 +23,7 @@ const STORE_PIECE: usize = 1 << 20;
 const HANDED_HELD_MAX: u64 = 64 << 20;
 /// Sealed bytes of a remote shard under a manifest read and hashed at once by check ahead,
 /// then handed to the store thread in the same buffer (as `source::sha256` reads).
-const HASH_STEP: usize = 8 << 20;
+pub(super) const HASH_STEP: usize = 8 << 20;
 /// Buffers of `HASH_STEP` in the handoff: one read and hashed while the other is unlocked
 /// and stored.
 const HASH_BUFFERS: usize = 2;
@@ -35,110 +33,41 @@ const BUFFER_POLL: Duration = Duration::from_millis(20);
 /// only (a store thread that cannot go on must not hold a verdict back).
 const URGED_BUFFER_WAIT: Duration = Duration::from_millis(250);
 
-impl ShardWalk<Storing> {
-    /// Check remote shard `ino` under a manifest by reading it once: its sealed bytes are
-    /// hashed a step at a time for the verdict (the file's digest fed, as a passthrough fill
-    /// feeds it), and each step within the bound is handed in its buffer to the store
-    /// thread, which unlocks it in place and stores it in the kernel's page cache. Hashed,
-    /// then fetched ahead, the shard was downloaded twice. The pages stored before the
-    /// verdict are read by no one: every open of the file waits for the verdict, and a
-    /// failed one refuses them all; they are dropped then. While an open waits, the store
-    /// thread runs urged too (`Handoff::take_buffer`). Whether the shard was checked here
-    /// (false: not a remote shard awaiting its verdict, no store thread, or an open hashes
-    /// it).
-    pub(super) fn check_and_store(&mut self, view: &View, check: &CheckAhead, ino: Ino) -> bool {
-        let (Some(handoff), Some(cache)) = (self.steps.handoff.clone(), self.steps.cache.clone())
-        else {
-            return false;
-        };
-        let Ok(Some(object)) = view.sealed_object(ino) else {
-            return false;
-        };
-        if handoff.ended() || !object.holds_fetched_ahead() || !view.awaits_verdict(ino) {
-            return false;
-        }
-        if !check.claim(ino, object.len()) {
-            return false;
-        }
-        let Some(mut feeder) = view.digest_feeder(ino) else {
-            check.done();
-            return false;
-        };
-        // An open waiting for this shard now waits for the digest fed here.
-        check.taken(ino);
-        log::debug!(
-            "check ahead: {} hashed and stored in one read",
-            view.path_of(ino)
-        );
-        let mut plain: Vec<u8> = Vec::new();
-        let mut off = 0;
-        while off < object.len() {
-            let n = (HASH_STEP as u64).min(object.len() - off) as usize;
-            let mut buf = match self.total < self.bound {
-                true => handoff.take_buffer(|| check.urged()),
-                false => None,
-            };
-            let bytes = match buf.as_mut() {
-                Some(b) => &mut b[..n],
-                None => {
-                    plain.resize(n, 0);
-                    &mut plain[..n]
-                }
-            };
-            if let Err(e) = crate::source::raw_read(&**object, off, bytes) {
-                // The feeder given up: the verdict hashes the file itself, and meets the
-                // failure there.
-                log::debug!("check ahead: {} not read at {off}: {e}", view.path_of(ino));
-                if let Some(b) = buf {
-                    handoff.give_back(b);
-                }
-                break;
-            }
-            feeder.feed(off, bytes);
-            if let Some(b) = buf {
-                self.total += n as u64;
-                crate::metrics::Stats::add(&self.steps.stats.bytes_fetched_ahead, n as u64);
-                handoff.hand_hashed(Hashed {
-                    ino,
-                    off,
-                    len: n,
-                    buf: b,
-                    urged: check.urged(),
-                });
-            }
-            off += n as u64;
-        }
-        // Whole, the digest is in; else the verdict hashes the file itself. The urge (set
-        // only by this loop's takes) ends with the shard; its pieces still queued keep theirs.
-        drop(feeder);
-        handoff
-            .urged
-            .store(false, std::sync::atomic::Ordering::Relaxed);
-        if view.verify(ino).is_err() {
-            handoff.drain();
-            if let Err(e) = cache.invalidate(ino) {
-                log::warn!("{}: its pages not dropped ({e})", view.path_of(ino));
-            }
-        }
-        check.done();
-        log::debug!("check ahead: {} checked", view.path_of(ino));
-        true
-    }
+/// The kernel's page cache of the mount's files, which the FUSE adapter fills
+/// (`FUSE_NOTIFY_STORE`): what fetch ahead decodes goes there.
+pub trait PageCache: Send + Sync {
+    /// Have the kernel know file `path` of the view (a lookup through the mount): it keeps
+    /// pages only for files it knows.
+    fn look_up(&self, path: &str) -> std::io::Result<()>;
+    /// Put `bytes`, the view's bytes of file `ino` at `off`, into its page cache.
+    fn store(&self, ino: Ino, off: u64, bytes: &[u8]) -> std::io::Result<()>;
+    /// Drop every page of file `ino` from its page cache.
+    fn invalidate(&self, ino: Ino) -> std::io::Result<()>;
+}
+
+/// Where fetch ahead's steps go.
+pub(super) trait Steps {
+    /// Whether they are stored in the kernel (opened shards are then skipped, not the end).
+    fn stores(&self) -> bool;
+    /// Bytes `[off, off + len)` of shard `ino` are in; `held`: in the daemon's memory.
+    fn fetched(&mut self, ino: Ino, off: u64, len: u64, held: bool);
+    /// Wait until every step handed on was stored; whether any was waiting.
+    fn drain(&mut self) -> bool;
 }
 
 /// Fetch ahead's steps counted, and handed to the store thread when there is one.
 pub(super) struct Storing {
-    stats: Arc<crate::metrics::Stats>,
-    handoff: Option<Arc<Handoff>>,
+    pub(super) stats: Arc<crate::metrics::Stats>,
+    pub(super) handoff: Option<Arc<Handoff>>,
     /// The page cache the store thread stores into.
-    cache: Option<Arc<dyn PageCache>>,
+    pub(super) cache: Option<Arc<dyn PageCache>>,
 }
 
 impl Storing {
     pub(super) fn start(
         view: &Arc<View>,
         page_cache: Option<Arc<dyn PageCache>>,
-        ahead: Arc<FetchAhead>,
+        opened: impl Fn(Ino) -> bool + Send + 'static,
     ) -> Storing {
         let stats = view.stats().clone();
         let Some(cache) = page_cache else {
@@ -162,7 +91,7 @@ impl Storing {
             while let Some(work) = h.next() {
                 let went_on = match work {
                     Work::Fetched(ino, off, len) => {
-                        let went_on = store.decode_and_store(ino, off, len, &ahead);
+                        let went_on = store.decode_and_store(ino, off, len, &opened);
                         h.stored();
                         went_on
                     }
@@ -228,11 +157,11 @@ impl Drop for EndOnDrop {
 
 /// The steps fetched and not stored yet, from the fetch thread to the store thread.
 #[derive(Default)]
-struct Handoff {
+pub(super) struct Handoff {
     state: Mutex<Handed>,
     changed: parking_lot::Condvar,
     /// An open waits for the verdict of the shard check ahead hands over now.
-    urged: std::sync::atomic::AtomicBool,
+    pub(super) urged: std::sync::atomic::AtomicBool,
 }
 
 #[derive(Default)]
@@ -253,14 +182,14 @@ struct Handed {
 
 /// Bytes `[off, off + len)` of shard `ino`, sealed, in `buf` (locked memory: the store
 /// thread unlocks them in place).
-struct Hashed {
-    ino: Ino,
-    off: u64,
-    len: usize,
-    buf: crate::secmem::SecureBuf,
+pub(super) struct Hashed {
+    pub(super) ino: Ino,
+    pub(super) off: u64,
+    pub(super) len: usize,
+    pub(super) buf: crate::secmem::SecureBuf,
     /// An open waits for the file's verdict: unlocked and stored at the normal policy, so
     /// the reads that follow find the pages (in the background they would mostly not).
-    urged: bool,
+    pub(super) urged: bool,
 }
 
 /// What the store thread takes next.
@@ -313,7 +242,7 @@ impl Handoff {
     /// A buffer for check ahead to read a step into, once one is free (none once the store
     /// thread is gone). While `urged()` says an open waits for the verdict, the store thread
     /// runs urged too: the hash waits for it, and the reads that follow find the pages.
-    fn take_buffer(&self, urged: impl Fn() -> bool) -> Option<crate::secmem::SecureBuf> {
+    pub(super) fn take_buffer(&self, urged: impl Fn() -> bool) -> Option<crate::secmem::SecureBuf> {
         let mut s = self.state.lock();
         let mut waited_urged = Duration::ZERO;
         loop {
@@ -353,7 +282,7 @@ impl Handoff {
     }
 
     /// Hand sealed bytes read and hashed to the store thread (dropped if it is gone).
-    fn hand_hashed(&self, hashed: Hashed) {
+    pub(super) fn hand_hashed(&self, hashed: Hashed) {
         let mut s = self.state.lock();
         if s.ended {
             s.out = s.out.saturating_sub(1);
@@ -364,7 +293,7 @@ impl Handoff {
     }
 
     /// A buffer from [`Handoff::take_buffer`] is free again.
-    fn give_back(&self, buf: crate::secmem::SecureBuf) {
+    pub(super) fn give_back(&self, buf: crate::secmem::SecureBuf) {
         let mut s = self.state.lock();
         s.out = s.out.saturating_sub(1);
         if !s.ended {
@@ -380,7 +309,7 @@ impl Handoff {
     }
 
     /// Wait until nothing handed on is left to store; whether anything was.
-    fn drain(&self) -> bool {
+    pub(super) fn drain(&self) -> bool {
         let mut s = self.state.lock();
         let busy = |s: &Handed| !s.steps.is_empty() || !s.hashed.is_empty() || s.out > 0;
         let waited = busy(&s);
@@ -406,7 +335,7 @@ impl Handoff {
         self.changed.notify_all();
     }
 
-    fn ended(&self) -> bool {
+    pub(super) fn ended(&self) -> bool {
         self.state.lock().ended
     }
 }
@@ -446,7 +375,13 @@ impl<'a> StoreAhead<'a> {
     /// Decode bytes `[off, off + len)` of file `ino` and store them, until the file is
     /// opened; whether to go on (false once the kernel failed, logged). A file that fails
     /// to decode (a bad value, a failed check) is skipped.
-    fn decode_and_store(&mut self, ino: Ino, off: u64, len: u64, ahead: &FetchAhead) -> bool {
+    fn decode_and_store(
+        &mut self,
+        ino: Ino,
+        off: u64,
+        len: u64,
+        opened: &dyn Fn(Ino) -> bool,
+    ) -> bool {
         if self.urged {
             // Fetched ahead, nobody waits for it.
             self.urged = false;
@@ -462,7 +397,7 @@ impl<'a> StoreAhead<'a> {
         }
         let end = off + len;
         let mut at = off;
-        while at < end && !ahead.is_opened(ino) {
+        while at < end && !opened(ino) {
             let n = (end - at).min(STORE_PIECE as u64) as usize;
             let piece = &mut self.buf[..n];
             for (i, part) in piece.chunks_mut(STORE_DECODE).enumerate() {

@@ -5,6 +5,7 @@ use std::path::{Path, PathBuf};
 #[cfg(feature = "remote")]
 use std::sync::Arc;
 
+use super::without_secrets;
 #[cfg(feature = "remote")]
 use super::{local::LocalDir, remote::RemoteSettings, Source};
 use crate::{Error, Result};
@@ -87,19 +88,6 @@ impl Location {
     }
 }
 
-/// A URL as an error may repeat it, parsed or not: without what comes before its last `@`
-/// (user and password; a password may hold a `/`), its query and its fragment (a signed
-/// URL's token). A path with an `@` in it loses its start, which only an error shows.
-pub(crate) fn without_secrets(text: &str) -> String {
-    let (scheme, rest) = match text.split_once("://") {
-        Some((scheme, rest)) => (format!("{scheme}://"), rest),
-        None => (String::new(), text),
-    };
-    let rest = rest.split(['?', '#']).next().unwrap_or_default();
-    let rest = rest.rsplit_once('@').map_or(rest, |(_, after)| after);
-    format!("{scheme}{rest}")
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -150,13 +138,5 @@ mod tests {
         assert!(e.contains("https://[bad/x") && !e.contains("abc"), "{e}");
         let e = p("https://u:pa/ss@h:x/y").unwrap_err().to_string();
         assert!(e.contains("https://h:x/y") && !e.contains("pa/ss"), "{e}");
-    }
-
-    #[test]
-    fn secrets_are_cut_from_a_named_url() {
-        assert_eq!(without_secrets("s3://k:s@b/m?t=1#f"), "s3://b/m");
-        assert_eq!(without_secrets("https://u:p/w@h/x/"), "https://h/x/");
-        assert_eq!(without_secrets("http://h:9/a/b"), "http://h:9/a/b");
-        assert_eq!(without_secrets("u:p@h:9?t"), "h:9");
     }
 }

@@ -26,7 +26,7 @@ use crate::{Error, Result};
 /// the server and nothing else: credentials or a token in it would be repeated by every
 /// error and log line that names a request.
 fn check_endpoint(endpoint: &str) -> std::result::Result<(), String> {
-    let shown = super::location::without_secrets(endpoint);
+    let shown = super::without_secrets(endpoint);
     let url = url::Url::parse(endpoint)
         .map_err(|e| format!("the endpoint {shown} is not a URL ({e})"))?;
     if !url.username().is_empty() || url.password().is_some() {
