@@ -326,12 +326,9 @@ impl ShardWalk<Storing> {
             }
             off += n as u64;
         }
-        // Whole, the digest is in; else the verdict hashes the file itself. The urge (set
-        // only by this loop's takes) ends with the shard; its pieces still queued keep theirs.
+        // Whole, the digest is in; else the verdict hashes the file itself.
         drop(feeder);
-        handoff
-            .urged
-            .store(false, std::sync::atomic::Ordering::Relaxed);
+        handoff.end_urge();
         if view.verify(ino).is_err() {
             handoff.drain();
             if let Err(e) = cache.invalidate(ino) {

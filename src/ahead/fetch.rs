@@ -107,9 +107,10 @@ impl FetchPlan {
 /// bytes brought in so far carry from one shard to the next.
 pub(super) struct ShardWalk<S> {
     ahead: Arc<FetchAhead>,
-    /// The most bytes brought in, all shards together, and so far.
+    /// The most bytes brought in, all shards together.
     pub(super) bound: u64,
     step: u64,
+    /// The bytes brought in so far.
     pub(super) total: u64,
     pub(super) steps: S,
 }

@@ -161,7 +161,7 @@ pub(super) struct Handoff {
     state: Mutex<Handed>,
     changed: parking_lot::Condvar,
     /// An open waits for the verdict of the shard check ahead hands over now.
-    pub(super) urged: std::sync::atomic::AtomicBool,
+    urged: std::sync::atomic::AtomicBool,
 }
 
 #[derive(Default)]
@@ -237,6 +237,13 @@ impl Handoff {
             }
             self.changed.wait(&mut s);
         }
+    }
+
+    /// The shard whose hash set the urge (only `take_buffer` sets it) is over: the store
+    /// thread runs in the background again; its pieces still queued keep their own urge.
+    pub(super) fn end_urge(&self) {
+        self.urged
+            .store(false, std::sync::atomic::Ordering::Relaxed);
     }
 
     /// A buffer for check ahead to read a step into, once one is free (none once the store
