@@ -435,6 +435,8 @@ impl Write for Syslog {
 
 fn init_logging(args: &Args, daemon: bool) -> Result<()> {
     let mut b = env_logger::Builder::from_env(env_logger::Env::default().default_filter_or("warn"));
+    // Milliseconds: a shard's decode and an engine's open are often under a second apart.
+    b.format_timestamp_millis();
     if let Some(path) = &args.log_file {
         let f = std::fs::OpenOptions::new()
             .create(true)

@@ -460,7 +460,12 @@ impl Inner {
             for &tid in &s.tids {
                 run_in_background(tid, false);
             }
-            log::debug!("{}: decode ahead urged by an open", self.label);
+            log::debug!(
+                "{}: decode ahead urged by an open, {} of {} bytes left",
+                self.label,
+                (s.left as u64 * CHUNK).min(self.len),
+                self.len
+            );
         }
     }
 
