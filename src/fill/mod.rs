@@ -274,7 +274,7 @@ impl Fill {
 
     /// Bytes not yet decoded (whole chunks: at most `CHUNK - 1` more than exact).
     pub fn left_bytes(&self) -> u64 {
-        (self.inner.state.lock().left as u64 * CHUNK).min(self.inner.len)
+        self.inner.left_bytes(&self.inner.state.lock())
     }
 
     /// The sealed read-only file, once complete.
@@ -463,10 +463,15 @@ impl Inner {
             log::debug!(
                 "{}: decode ahead urged by an open, {} of {} bytes left",
                 self.label,
-                (s.left as u64 * CHUNK).min(self.len),
+                self.left_bytes(s),
                 self.len
             );
         }
+    }
+
+    /// Bytes not yet decoded, in whole chunks (see [`Fill::left_bytes`]).
+    fn left_bytes(&self, s: &State) -> u64 {
+        (s.left as u64 * CHUNK).min(self.len)
     }
 
     fn range(&self, i: usize) -> (u64, u64) {
