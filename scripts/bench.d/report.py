@@ -655,9 +655,10 @@ class Report:
                 w(f"| {ds} | {s} | {fmt_med([x['open_ms'][s] for x in rs], '', 2)} | "
                   f"{fmt_med([x['ttfb_ms'][s] for x in rs], '', 2)} | {dec} |")
         w("")
-        w("kllm: the open waits up to 10 ms for the shard's decoded copy (started at the mount "
-          "by decode ahead) when at most 16 MiB of it are left to decode, and if it is not "
-          "complete then, is served through FUSE from the chunks already decoded; the decode column is the copy's whole fill (daemon log). Through "
+        w("kllm: the open waits for the shard's decoded copy (started at the mount by decode "
+          "ahead) up to 10 ms when at most 16 MiB of it are left to decode, up to 2 s when more "
+          "than half is decoded, and if it is not complete then, is served through FUSE from "
+          "the chunks already decoded; the decode column is the copy's whole fill (daemon log). Through "
           "FUSE (kllm-fuse) the open returns at once and each read is decoded on request.")
         w("")
 

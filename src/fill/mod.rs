@@ -277,6 +277,11 @@ impl Fill {
         self.inner.left_bytes(&self.inner.state.lock())
     }
 
+    /// Whether at least half of the file is decoded.
+    pub fn past_half(&self) -> bool {
+        self.left_bytes() * 2 <= self.len()
+    }
+
     /// The sealed read-only file, once complete.
     pub fn complete(&self) -> Option<Arc<MemoryFile>> {
         self.inner.state.lock().complete.clone()

@@ -26,6 +26,8 @@ pub struct Copies {
     /// How long an open waits for a copy still filling before it is served through FUSE
     /// from the part decoded so far.
     pub open_wait: Duration,
+    /// How long an open waits for a copy more than half decoded.
+    pub past_half_wait: Duration,
 }
 
 impl Default for Copies {
@@ -34,6 +36,7 @@ impl Default for Copies {
             grace: Duration::from_secs(60),
             decode_ahead: true,
             open_wait: OPEN_WAIT,
+            past_half_wait: PAST_HALF_WAIT,
         }
     }
 }
@@ -42,6 +45,13 @@ impl Default for Copies {
 /// the wait (passthrough then reads at memory speed), and the first byte of any open stays
 /// within tens of milliseconds.
 pub const OPEN_WAIT: Duration = Duration::from_millis(10);
+
+/// How long an open waits for a copy more than half decoded. Its rest takes at most about
+/// as long as the half done took, and an engine that opens a shard as decode ahead is
+/// finishing it would otherwise read the whole file through FUSE: seconds for a GiB on two
+/// cores against tenths of one (docs/PERFORMANCE-LOG.md). A bound for a fill that stalls
+/// (a slow remote source), not a pace.
+pub const PAST_HALF_WAIT: Duration = Duration::from_secs(2);
 
 /// A copy with more than this left to decode cannot be done within [`OPEN_WAIT`] (the cores
 /// decode 2-7 GB/s): its open is served through FUSE at once rather than after the wait.
@@ -298,6 +308,7 @@ impl<B: Send + Sync + 'static> Opens<B> {
         let policy = OpenPolicy {
             wait: self.copies.open_wait,
             near: NEAR_DONE,
+            past_half: self.copies.past_half_wait,
         };
         self.table.open_copy(ino, &policy, start, make)
     }

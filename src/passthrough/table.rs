@@ -61,6 +61,9 @@ pub struct OpenPolicy {
     pub wait: Duration,
     /// The most a copy may have left to decode for an open to wait for it.
     pub near: u64,
+    /// How long an open waits for a copy more than half decoded (see
+    /// [`OpenTable::open_copy`]).
+    pub past_half: Duration,
 }
 
 pub(super) struct InodeOpens<B> {
@@ -101,6 +104,12 @@ const SEAL_WAIT: Duration = Duration::from_secs(5);
 /// go: the kernel sends RELEASE after `close` returns, so a reopen right after a close
 /// would otherwise find the inode still open through the page cache.
 const RELEASE_WAIT: Duration = Duration::from_millis(20);
+
+/// What an open waits for with the inode let go: the file's verdict, or a copy past half.
+enum LongWait {
+    Verdict,
+    PastHalf,
+}
 
 struct Handle {
     ino: Ino,
@@ -206,9 +215,11 @@ impl<B> OpenTable<B> {
     /// Open a file served from a decoded copy. While the inode is open through the page
     /// cache, the open joins it there; while it is open in passthrough, it shares the
     /// backing. Otherwise the copy (kept, decoded ahead, or a new one from `start`) is
-    /// waited for up to `policy.wait`: complete, it backs a passthrough open (`make`);
-    /// still filling, the open is served through FUSE from the part already decoded, so no
-    /// open waits for a whole decode. Without a copy (no memory for one) the open is served
+    /// waited for: for its file's verdict; up to `policy.past_half` when more than half of
+    /// it is decoded; up to `policy.wait` when at most `policy.near` is left. Complete, it
+    /// backs a passthrough open (`make`); still filling, the open is served through FUSE
+    /// from the part already decoded, so no open waits for a decode just begun (the first
+    /// byte of a fresh mount) or a whole one. Without a copy (no memory for one) the open is served
     /// through FUSE, decoded per read. `start` and `make` run under the inode's lock, so
     /// concurrent first opens share one decode.
     pub fn open_copy(
@@ -239,15 +250,35 @@ impl<B> OpenTable<B> {
         let Some(fill) = state.fill.clone() else {
             return self.fuse(ino, &mut state);
         };
-        if fill.complete().is_none() && fill.awaits_verdict() {
+        let long_wait = if fill.complete().is_some() {
+            None
+        } else if fill.awaits_verdict() {
             // No byte of the copy is served before the file's verdict, so a handle opened
             // through FUSE now would wait for it as long, then read the whole file through
-            // the daemon; waiting here gets the copy to the kernel instead. The inode is
-            // not held meanwhile: what other opens and closes did is asked again after.
-            MutexGuard::unlocked(&mut state, || {
-                fill.wait_verdict();
-                if fill.left_bytes() == 0 {
-                    fill.wait_complete(SEAL_WAIT);
+            // the daemon; waiting here gets the copy to the kernel instead.
+            Some(LongWait::Verdict)
+        } else if fill.left_bytes() > policy.near && fill.past_half() {
+            // At the pace so far the rest takes less than what is done took (less still
+            // once the open urges it), and a reader of the whole file through FUSE would
+            // wait for those chunks anyway, then read them at the daemon's pace rather than
+            // memory's. An open of a copy just begun (a fresh mount's first byte) does not
+            // wait.
+            Some(LongWait::PastHalf)
+        } else {
+            None
+        };
+        if let Some(long_wait) = long_wait {
+            // The inode is not held meanwhile: what other opens and closes did is asked
+            // again after.
+            MutexGuard::unlocked(&mut state, || match long_wait {
+                LongWait::Verdict => {
+                    fill.wait_verdict();
+                    if fill.left_bytes() == 0 {
+                        fill.wait_complete(SEAL_WAIT);
+                    }
+                }
+                LongWait::PastHalf => {
+                    fill.wait_complete(policy.past_half);
                 }
             });
             if state.fuse > 0 || !state.fill.as_ref().is_some_and(|f| Arc::ptr_eq(f, &fill)) {

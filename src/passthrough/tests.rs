@@ -295,6 +295,7 @@ fn paced_fill(
 const WAIT: OpenPolicy = OpenPolicy {
     wait: Duration::from_millis(20),
     near: u64::MAX,
+    past_half: Duration::from_millis(20),
 };
 
 fn backed(live: &Arc<AtomicUsize>) -> impl FnOnce(&Arc<MemoryFile>) -> Option<Backing<Id>> {
@@ -333,6 +334,7 @@ fn an_open_waits_only_for_a_copy_nearly_done() {
     let policy = OpenPolicy {
         wait: Duration::from_secs(30),
         near: NEAR_DONE,
+        past_half: Duration::from_secs(30),
     };
     // Far from done: served through FUSE at once, not after the wait.
     let started = Instant::now();
@@ -358,6 +360,78 @@ fn an_open_waits_only_for_a_copy_nearly_done() {
     assert!(matches!(near, Opened::Passthrough { .. }));
 }
 
+/// A copy just begun is not waited for (a fresh mount's first byte), one past half is
+/// (then handed to the kernel), and one past half that stalls only up to `past_half`.
+#[test]
+fn an_open_waits_for_a_copy_past_half_not_one_just_begun() {
+    let t = OpenTable::new(Duration::from_secs(60));
+    let live = Arc::new(AtomicUsize::new(0));
+    let policy = OpenPolicy {
+        wait: Duration::from_millis(10),
+        near: NEAR_DONE,
+        past_half: Duration::from_secs(30),
+    };
+    let started = Instant::now();
+    let first = t.open_copy(
+        3,
+        &policy,
+        || Some(fill(20 * CHUNK, Duration::from_millis(50))),
+        backed(&live),
+    );
+    assert!(
+        started.elapsed() < Duration::from_millis(500),
+        "{:?}",
+        started.elapsed()
+    );
+    let Opened::Fuse {
+        fill: Some(copy), ..
+    } = &first
+    else {
+        panic!("a copy just begun was waited for");
+    };
+    let copy = copy.clone();
+    t.release(first.fh());
+    while !copy.past_half() {
+        std::thread::sleep(Duration::from_millis(2));
+    }
+    assert!(
+        copy.complete().is_none(),
+        "the copy completed too soon to tell"
+    );
+    let second = t.open_copy(3, &policy, || panic!("decoded twice"), backed(&live));
+    assert!(matches!(second, Opened::Passthrough { .. }));
+    t.release(second.fh());
+
+    // Past half and stalled: waited for `past_half`, then served through FUSE.
+    let stall = Arc::new(AtomicBool::new(true));
+    let stalled = stall.clone();
+    let pace = move |off| {
+        while off >= 15 * CHUNK && stalled.load(Ordering::SeqCst) {
+            std::thread::sleep(Duration::from_millis(1));
+        }
+    };
+    let copy = paced_fill(20 * CHUNK, pace, None, Arc::default());
+    while !copy.past_half() {
+        std::thread::sleep(Duration::from_millis(2));
+    }
+    let policy = OpenPolicy {
+        past_half: Duration::from_millis(200),
+        ..policy
+    };
+    let started = Instant::now();
+    let third = t.open_copy(4, &policy, || Some(copy.clone()), backed(&live));
+    let waited = started.elapsed();
+    assert!(matches!(third, Opened::Fuse { fill: Some(_), .. }));
+    assert!(
+        waited >= Duration::from_millis(200) && waited < Duration::from_secs(5),
+        "{waited:?}"
+    );
+    stall.store(false, Ordering::SeqCst);
+    copy.wait_done();
+    assert!(copy.complete().is_some());
+    t.release(third.fh());
+}
+
 /// While the file's hash runs nothing of its copy is served, so an open waits for the
 /// verdict, however far the copy is from done, and is then handed the copy (decoded
 /// whole by the verdict here); a second open meanwhile waits as well and shares it.
@@ -368,6 +442,7 @@ fn an_open_waits_for_the_verdict_and_gets_the_copy() {
     let policy = OpenPolicy {
         wait: Duration::from_millis(10),
         near: NEAR_DONE,
+        past_half: Duration::from_millis(10),
     };
     let len = 20 * CHUNK;
     let made = Arc::new(AtomicU64::new(0));
