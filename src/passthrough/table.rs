@@ -219,8 +219,8 @@ impl<B> OpenTable<B> {
     /// it is decoded; up to `policy.wait` when at most `policy.near` is left. Complete, it
     /// backs a passthrough open (`make`); still filling, the open is served through FUSE
     /// from the part already decoded, so no open waits for a decode just begun (the first
-    /// byte of a fresh mount) or a whole one. Without a copy (no memory for one) the open is served
-    /// through FUSE, decoded per read. `start` and `make` run under the inode's lock, so
+    /// byte of a fresh mount) or a whole one. Without a copy (no memory for one) the open
+    /// is served through FUSE, decoded per read. `start` and `make` run under the inode's lock, so
     /// concurrent first opens share one decode.
     pub fn open_copy(
         &self,
