@@ -371,15 +371,27 @@ fn an_open_waits_for_a_copy_past_half_not_one_just_begun() {
         near: NEAR_DONE,
         past_half: Duration::from_secs(30),
     };
+    // The first 15 of 20 chunks 20 ms each; the last 5 held until `gate` opens, so the copy
+    // is past half and still filling for as long as the test needs.
+    let gate = Arc::new(AtomicBool::new(false));
+    let open = gate.clone();
+    let pace = move |off| {
+        if off < 15 * CHUNK {
+            std::thread::sleep(Duration::from_millis(20));
+        }
+        while off >= 15 * CHUNK && !open.load(Ordering::SeqCst) {
+            std::thread::sleep(Duration::from_millis(1));
+        }
+    };
     let started = Instant::now();
     let first = t.open_copy(
         3,
         &policy,
-        || Some(fill(20 * CHUNK, Duration::from_millis(50))),
+        || Some(paced_fill(20 * CHUNK, pace, None, Arc::default())),
         backed(&live),
     );
     assert!(
-        started.elapsed() < Duration::from_millis(500),
+        started.elapsed() < Duration::from_secs(1),
         "{:?}",
         started.elapsed()
     );
@@ -394,12 +406,23 @@ fn an_open_waits_for_a_copy_past_half_not_one_just_begun() {
     while !copy.past_half() {
         std::thread::sleep(Duration::from_millis(2));
     }
-    assert!(
-        copy.complete().is_none(),
-        "the copy completed too soon to tell"
-    );
+    assert!(copy.complete().is_none());
+    // The rest let go shortly after the open has begun waiting for it.
+    let opening = Arc::new(AtomicBool::new(false));
+    let releaser = {
+        let (opening, gate) = (opening.clone(), gate.clone());
+        std::thread::spawn(move || {
+            while !opening.load(Ordering::SeqCst) {
+                std::thread::sleep(Duration::from_millis(1));
+            }
+            std::thread::sleep(Duration::from_millis(100));
+            gate.store(true, Ordering::SeqCst);
+        })
+    };
+    opening.store(true, Ordering::SeqCst);
     let second = t.open_copy(3, &policy, || panic!("decoded twice"), backed(&live));
     assert!(matches!(second, Opened::Passthrough { .. }));
+    releaser.join().unwrap();
     t.release(second.fh());
 
     // Past half and stalled: waited for `past_half`, then served through FUSE.
