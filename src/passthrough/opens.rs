@@ -26,8 +26,6 @@ pub struct Copies {
     /// How long an open waits for a copy still filling before it is served through FUSE
     /// from the part decoded so far.
     pub open_wait: Duration,
-    /// How long an open waits for a copy more than half decoded.
-    pub past_half_wait: Duration,
 }
 
 impl Default for Copies {
@@ -36,7 +34,6 @@ impl Default for Copies {
             grace: Duration::from_secs(60),
             decode_ahead: true,
             open_wait: OPEN_WAIT,
-            past_half_wait: PAST_HALF_WAIT,
         }
     }
 }
@@ -308,7 +305,7 @@ impl<B: Send + Sync + 'static> Opens<B> {
         let policy = OpenPolicy {
             wait: self.copies.open_wait,
             near: NEAR_DONE,
-            past_half: self.copies.past_half_wait,
+            past_half: PAST_HALF_WAIT,
         };
         self.table.open_copy(ino, &policy, start, make)
     }

@@ -360,6 +360,22 @@ fn an_open_waits_only_for_a_copy_nearly_done() {
     assert!(matches!(near, Opened::Passthrough { .. }));
 }
 
+/// A fill of 20 chunks whose first 15 take `early` each and whose last 5 wait until the
+/// returned gate is opened (set): past half and still filling for as long as a test needs.
+fn held_fill(early: Duration) -> (Arc<Fill>, Arc<AtomicBool>) {
+    let gate = Arc::new(AtomicBool::new(false));
+    let open = gate.clone();
+    let pace = move |off| {
+        if off < 15 * CHUNK {
+            std::thread::sleep(early);
+        }
+        while off >= 15 * CHUNK && !open.load(Ordering::SeqCst) {
+            std::thread::sleep(Duration::from_millis(1));
+        }
+    };
+    (paced_fill(20 * CHUNK, pace, None, Arc::default()), gate)
+}
+
 /// A copy just begun is not waited for (a fresh mount's first byte), one past half is
 /// (then handed to the kernel), and one past half that stalls only up to `past_half`.
 #[test]
@@ -371,25 +387,9 @@ fn an_open_waits_for_a_copy_past_half_not_one_just_begun() {
         near: NEAR_DONE,
         past_half: Duration::from_secs(30),
     };
-    // The first 15 of 20 chunks 20 ms each; the last 5 held until `gate` opens, so the copy
-    // is past half and still filling for as long as the test needs.
-    let gate = Arc::new(AtomicBool::new(false));
-    let open = gate.clone();
-    let pace = move |off| {
-        if off < 15 * CHUNK {
-            std::thread::sleep(Duration::from_millis(20));
-        }
-        while off >= 15 * CHUNK && !open.load(Ordering::SeqCst) {
-            std::thread::sleep(Duration::from_millis(1));
-        }
-    };
+    let (copy, gate) = held_fill(Duration::from_millis(20));
     let started = Instant::now();
-    let first = t.open_copy(
-        3,
-        &policy,
-        || Some(paced_fill(20 * CHUNK, pace, None, Arc::default())),
-        backed(&live),
-    );
+    let first = t.open_copy(3, &policy, || Some(copy), backed(&live));
     assert!(
         started.elapsed() < Duration::from_secs(1),
         "{:?}",
@@ -426,14 +426,7 @@ fn an_open_waits_for_a_copy_past_half_not_one_just_begun() {
     t.release(second.fh());
 
     // Past half and stalled: waited for `past_half`, then served through FUSE.
-    let stall = Arc::new(AtomicBool::new(true));
-    let stalled = stall.clone();
-    let pace = move |off| {
-        while off >= 15 * CHUNK && stalled.load(Ordering::SeqCst) {
-            std::thread::sleep(Duration::from_millis(1));
-        }
-    };
-    let copy = paced_fill(20 * CHUNK, pace, None, Arc::default());
+    let (copy, gate) = held_fill(Duration::ZERO);
     while !copy.past_half() {
         std::thread::sleep(Duration::from_millis(2));
     }
@@ -449,7 +442,7 @@ fn an_open_waits_for_a_copy_past_half_not_one_just_begun() {
         waited >= Duration::from_millis(200) && waited < Duration::from_secs(5),
         "{waited:?}"
     );
-    stall.store(false, Ordering::SeqCst);
+    gate.store(true, Ordering::SeqCst);
     copy.wait_done();
     assert!(copy.complete().is_some());
     t.release(third.fh());
