@@ -164,6 +164,34 @@ pub struct Fill {
     inner: Arc<Inner>,
 }
 
+/// How much slower than needed a pace judged early in a wait may be before the wait is
+/// given up on: an early pace understates an urged fill's (see
+/// [`Fill::wait_complete_on_pace`]).
+const PACE_MARGIN: f64 = 2.0;
+
+/// A fill's progress over part of a wait: bytes decoded in it, bytes left after it, its
+/// length.
+#[derive(Debug, Clone, Copy)]
+pub struct Pace {
+    pub done: u64,
+    pub left: u64,
+    pub waited: Duration,
+}
+
+impl Pace {
+    /// Whether the bytes left take at most `time_left` at the pace of the wait so far.
+    pub fn ends_within(&self, time_left: Duration) -> bool {
+        if self.left == 0 {
+            return true;
+        }
+        if self.done == 0 {
+            return false;
+        }
+        let needed = self.waited.as_secs_f64() * self.left as f64 / self.done as f64;
+        needed <= time_left.as_secs_f64()
+    }
+}
+
 impl Fill {
     /// Start decoding `source` into `target` in the background. `label` names the file in
     /// log lines.
@@ -296,6 +324,60 @@ impl Fill {
             self.inner.urge(&mut s);
         }
         while s.progress == Progress::Filling && !s.cancelled {
+            if self.inner.changed.wait_until(&mut s, deadline).timed_out() {
+                break;
+            }
+        }
+        s.complete.clone()
+    }
+
+    /// How long the fill has been running (ahead of any open, or for one).
+    pub fn filling_for(&self) -> Duration {
+        self.inner.started.elapsed()
+    }
+
+    /// [`Fill::wait_complete`], but given up as soon as the fill's pace cannot end it
+    /// within `timeout`. The pace is taken from the first chunk to end in the wait on (the
+    /// chunks in flight when it began may have been held back by the background policy,
+    /// and the first to end says nothing of the urged pace), and judged from `probe` into
+    /// the wait, once two more have ended: an open then goes on through FUSE instead of
+    /// waiting out a fill too slow to get.
+    pub fn wait_complete_on_pace(
+        &self,
+        timeout: Duration,
+        probe: Duration,
+    ) -> Option<Arc<MemoryFile>> {
+        let begun = Instant::now();
+        let deadline = begun + timeout;
+        let mut s = self.inner.state.lock();
+        let left_at_begin = self.inner.left_bytes(&s);
+        // When the first chunk ended in the wait, and what was left then.
+        let mut first_end: Option<(Instant, u64)> = None;
+        if s.progress == Progress::Filling {
+            self.inner.urge(&mut s);
+        }
+        while s.progress == Progress::Filling && !s.cancelled {
+            let now = Instant::now();
+            let left = self.inner.left_bytes(&s);
+            match first_end {
+                None if left < left_at_begin => first_end = Some((now, left)),
+                Some((at, left_then)) if now - begun >= probe && left + 2 * CHUNK <= left_then => {
+                    let pace = Pace {
+                        done: left_then - left,
+                        left,
+                        waited: now - at,
+                    };
+                    // An urged fill's pace picks up after its first chunks (its fetches
+                    // ramp up, the opener's own work stops): only a pace that would
+                    // need more than twice the time left is given up on.
+                    let time_left = deadline.saturating_duration_since(now);
+                    if !pace.ends_within(time_left.mul_f64(PACE_MARGIN)) {
+                        break;
+                    }
+                }
+                _ => {}
+            }
+            // Woken by each chunk's end.
             if self.inner.changed.wait_until(&mut s, deadline).timed_out() {
                 break;
             }

@@ -1228,3 +1228,26 @@ fn a_panicking_decode_gives_its_piece_buffer_back() {
     assert_eq!(f.progress(), Progress::Broken);
     every_piece_buffer("every piece buffer");
 }
+
+#[test]
+fn a_pace_ends_a_fill_within_the_time_its_rate_needs() {
+    let ms = Duration::from_millis;
+    // 10 MB in 50 ms: 30 MB more takes 150 ms.
+    let pace = Pace {
+        done: 10_000_000,
+        left: 30_000_000,
+        waited: ms(50),
+    };
+    assert!(pace.ends_within(ms(150)));
+    assert!(!pace.ends_within(ms(149)));
+    // Nothing done yet: no pace to go by, however long is left.
+    let stalled = Pace {
+        done: 0,
+        left: 1,
+        waited: ms(50),
+    };
+    assert!(!stalled.ends_within(Duration::from_secs(3600)));
+    // Nothing left: ended, however slow.
+    let ended = Pace { left: 0, ..stalled };
+    assert!(ended.ends_within(Duration::ZERO));
+}

@@ -26,7 +26,7 @@ mod table;
 #[cfg(test)]
 mod tests;
 
-pub use opens::{Copies, Opens, Reclaim, NEAR_DONE, OPEN_WAIT, PAST_HALF_WAIT};
+pub use opens::{Copies, Opens, Reclaim, NEAR_DONE, OPEN_WAIT, PACE_PROBE, PAST_HALF_WAIT};
 pub use table::{Backing, OpenMode, OpenPolicy, OpenTable, Opened};
 
 /// The serving mode asked for on the command line.

@@ -43,12 +43,19 @@ impl Default for Copies {
 /// within tens of milliseconds.
 pub const OPEN_WAIT: Duration = Duration::from_millis(10);
 
-/// How long an open waits for a copy more than half decoded. Its rest takes at most about
-/// as long as the half done took, and an engine that opens a shard as decode ahead is
-/// finishing it would otherwise read the whole file through FUSE: seconds for a GiB on two
-/// cores against tenths of one (docs/PERFORMANCE-LOG.md). A bound for a fill that stalls
-/// (a slow remote source), not a pace.
+/// How long an open waits for a copy more than half decoded, and the most it waits for one
+/// that has been filling a while (as long again). Its rest takes at most about as long as
+/// what is done took, and an engine that opens a shard as decode ahead is on it would
+/// otherwise read the whole file through FUSE: seconds for a GiB on two cores against
+/// tenths of one (docs/PERFORMANCE-LOG.md). A bound, not a pace: the wait ends early once
+/// the copy's pace cannot end it in time (a slow remote source, [`PACE_PROBE`]).
 pub const PAST_HALF_WAIT: Duration = Duration::from_secs(2);
+
+/// How far into a long wait for a copy its pace is first judged, at least (a quarter of the
+/// wait when that is longer): enough chunks end in it to measure the pace an urged decode
+/// keeps (8 MiB chunks at 1-3 GB/s a core), and a copy too far from done costs its open no
+/// more.
+pub const PACE_PROBE: Duration = Duration::from_millis(50);
 
 /// A copy with more than this left to decode cannot be done within [`OPEN_WAIT`] (the cores
 /// decode 2-7 GB/s): its open is served through FUSE at once rather than after the wait.
@@ -306,8 +313,25 @@ impl<B: Send + Sync + 'static> Opens<B> {
             wait: self.copies.open_wait,
             near: NEAR_DONE,
             past_half: PAST_HALF_WAIT,
+            probe: PACE_PROBE,
         };
-        self.table.open_copy(ino, &policy, start, make)
+        let asked = Instant::now();
+        let opened = self.table.open_copy(ino, &policy, start, make);
+        if log::log_enabled!(log::Level::Debug) {
+            let how = match &opened {
+                Opened::Passthrough { .. } => "by passthrough".to_string(),
+                Opened::Fuse { fill: Some(f), .. } => {
+                    format!("through FUSE, {} of {} bytes left", f.left_bytes(), f.len())
+                }
+                Opened::Fuse { fill: None, .. } => "through FUSE, no copy".to_string(),
+            };
+            log::debug!(
+                "{}: opened {how} after {:?}",
+                self.view.path_of(ino),
+                asked.elapsed()
+            );
+        }
+        opened
     }
 
     /// Hand `file` to the kernel as a backing file, or `None` to serve through FUSE.

@@ -62,8 +62,22 @@ pub struct OpenPolicy {
     /// The most a copy may have left to decode for an open to wait for it.
     pub near: u64,
     /// How long an open waits for a copy more than half decoded (see
-    /// [`OpenTable::open_copy`]).
+    /// [`OpenTable::open_copy`]), and the most it waits for one that has been filling a
+    /// while.
     pub past_half: Duration,
+    /// How far into a long wait the copy's pace is first judged, at least (and at least a
+    /// quarter of the wait): a copy that cannot end within the wait at its pace in it is
+    /// not waited for further ([`Fill::wait_complete_on_pace`]).
+    pub probe: Duration,
+}
+
+impl OpenPolicy {
+    /// How long an open may wait for a copy still filling that has been filling for
+    /// `filling_for`: as long again, up to `past_half`. None for a copy too new to judge
+    /// its pace (a fresh mount's first byte).
+    fn catch_up(&self, filling_for: Duration) -> Option<Duration> {
+        (filling_for >= 2 * self.probe).then(|| filling_for.min(self.past_half))
+    }
 }
 
 pub(super) struct InodeOpens<B> {
@@ -105,10 +119,11 @@ const SEAL_WAIT: Duration = Duration::from_secs(5);
 /// would otherwise find the inode still open through the page cache.
 const RELEASE_WAIT: Duration = Duration::from_millis(20);
 
-/// What an open waits for with the inode let go: the file's verdict, or a copy past half.
+/// What an open waits for with the inode let go: the file's verdict, or a copy that should
+/// end within the time given.
 enum LongWait {
     Verdict,
-    PastHalf,
+    Copy(Duration),
 }
 
 struct Handle {
@@ -215,13 +230,15 @@ impl<B> OpenTable<B> {
     /// Open a file served from a decoded copy. While the inode is open through the page
     /// cache, the open joins it there; while it is open in passthrough, it shares the
     /// backing. Otherwise the copy (kept, decoded ahead, or a new one from `start`) is
-    /// waited for: for its file's verdict; up to `policy.past_half` when more than half of
-    /// it is decoded; up to `policy.wait` when at most `policy.near` is left. Complete, it
-    /// backs a passthrough open (`make`); still filling, the open is served through FUSE
-    /// from the part already decoded, so no open waits for a decode just begun (the first
-    /// byte of a fresh mount) or a whole one. Without a copy (no memory for one) the open
-    /// is served through FUSE, decoded per read. `start` and `make` run under the inode's lock, so
-    /// concurrent first opens share one decode.
+    /// waited for: for its file's verdict; up to `policy.wait` when at most `policy.near`
+    /// is left; up to `policy.past_half` when more than half of it is decoded, and up to
+    /// as long as it has been filling (at most `policy.past_half`) otherwise, these two
+    /// given up once the copy's pace in the wait cannot end it in time. Complete, it backs
+    /// a passthrough open (`make`); still filling, the open is served through FUSE from
+    /// the part already decoded, so no open waits for a decode just begun (the first byte
+    /// of a fresh mount) or one too slow to end soon. Without a copy (no memory for one)
+    /// the open is served through FUSE, decoded per read. `start` and `make` run under the
+    /// inode's lock, so concurrent first opens share one decode.
     pub fn open_copy(
         &self,
         ino: Ino,
@@ -261,9 +278,14 @@ impl<B> OpenTable<B> {
             // At the pace so far the rest takes less than what is done took (less still
             // once the open urges it), and a reader of the whole file through FUSE would
             // wait for those chunks anyway, then read them at the daemon's pace rather than
-            // memory's. An open of a copy just begun (a fresh mount's first byte) does not
-            // wait.
-            Some(LongWait::PastHalf)
+            // memory's.
+            Some(LongWait::Copy(policy.past_half))
+        } else if fill.left_bytes() > policy.near {
+            // Decode ahead's copy of a file an engine reaches while it is still under way
+            // (behind the engine's own work, at the background policy): urged, the rest
+            // may take less than it has taken so far, which is what the open may wait.
+            // An open of a copy just begun (a fresh mount's first byte) does not wait.
+            policy.catch_up(fill.filling_for()).map(LongWait::Copy)
         } else {
             None
         };
@@ -277,8 +299,9 @@ impl<B> OpenTable<B> {
                         fill.wait_complete(SEAL_WAIT);
                     }
                 }
-                LongWait::PastHalf => {
-                    fill.wait_complete(policy.past_half);
+                LongWait::Copy(timeout) => {
+                    // A pace over a quarter of the wait, not its first chunks alone.
+                    fill.wait_complete_on_pace(timeout, policy.probe.max(timeout / 4));
                 }
             });
             if state.fuse > 0 || !state.fill.as_ref().is_some_and(|f| Arc::ptr_eq(f, &fill)) {

@@ -296,6 +296,7 @@ const WAIT: OpenPolicy = OpenPolicy {
     wait: Duration::from_millis(20),
     near: u64::MAX,
     past_half: Duration::from_millis(20),
+    probe: Duration::from_millis(20),
 };
 
 fn backed(live: &Arc<AtomicUsize>) -> impl FnOnce(&Arc<MemoryFile>) -> Option<Backing<Id>> {
@@ -335,6 +336,7 @@ fn an_open_waits_only_for_a_copy_nearly_done() {
         wait: Duration::from_secs(30),
         near: NEAR_DONE,
         past_half: Duration::from_secs(30),
+        probe: Duration::from_millis(50),
     };
     // Far from done: served through FUSE at once, not after the wait.
     let started = Instant::now();
@@ -360,20 +362,30 @@ fn an_open_waits_only_for_a_copy_nearly_done() {
     assert!(matches!(near, Opened::Passthrough { .. }));
 }
 
-/// A fill of 20 chunks whose first 15 take `early` each and whose last 5 wait until the
-/// returned gate is opened (set): past half and still filling for as long as a test needs.
-fn held_fill(early: Duration) -> (Arc<Fill>, Arc<AtomicBool>) {
+/// A fill of 20 chunks whose first `through` take `early` each and whose rest wait until
+/// the returned gate is opened (set), then take `late` each, one at a time (whatever the
+/// cores): still filling, that far, for as long as a test needs.
+fn gated_fill(early: Duration, through: u64, late: Duration) -> (Arc<Fill>, Arc<AtomicBool>) {
     let gate = Arc::new(AtomicBool::new(false));
     let open = gate.clone();
+    let one_at_a_time = Arc::new(parking_lot::Mutex::new(()));
     let pace = move |off| {
-        if off < 15 * CHUNK {
+        if off < through * CHUNK {
             std::thread::sleep(early);
+            return;
         }
-        while off >= 15 * CHUNK && !open.load(Ordering::SeqCst) {
+        while !open.load(Ordering::SeqCst) {
             std::thread::sleep(Duration::from_millis(1));
         }
+        let _turn = one_at_a_time.lock();
+        std::thread::sleep(late);
     };
     (paced_fill(20 * CHUNK, pace, None, Arc::default()), gate)
+}
+
+/// Past half (15 chunks of 20) and still filling until the gate opens.
+fn held_fill(early: Duration) -> (Arc<Fill>, Arc<AtomicBool>) {
+    gated_fill(early, 15, Duration::ZERO)
 }
 
 /// A copy just begun is not waited for (a fresh mount's first byte), one past half is
@@ -382,10 +394,12 @@ fn held_fill(early: Duration) -> (Arc<Fill>, Arc<AtomicBool>) {
 fn an_open_waits_for_a_copy_past_half_not_one_just_begun() {
     let t = OpenTable::new(Duration::from_secs(60));
     let live = Arc::new(AtomicUsize::new(0));
+    // The pace is judged only after the gate below has let the rest go.
     let policy = OpenPolicy {
         wait: Duration::from_millis(10),
         near: NEAR_DONE,
         past_half: Duration::from_secs(30),
+        probe: Duration::from_secs(1),
     };
     let (copy, gate) = held_fill(Duration::from_millis(20));
     let started = Instant::now();
@@ -448,6 +462,78 @@ fn an_open_waits_for_a_copy_past_half_not_one_just_begun() {
     t.release(third.fh());
 }
 
+/// Decode ahead's copy, filling a while and under half done when the open comes, is waited
+/// for when it ends within as long again once urged, and given up once its pace shows it
+/// cannot.
+#[test]
+fn an_open_waits_for_a_copy_filling_a_while_if_its_pace_ends_it_in_time() {
+    let t = OpenTable::new(Duration::from_secs(60));
+    let live = Arc::new(AtomicUsize::new(0));
+    let policy = OpenPolicy {
+        wait: Duration::from_millis(10),
+        near: NEAR_DONE,
+        past_half: Duration::from_secs(30),
+        // Room for a few chunks of this unoptimized test decode to end before the pace
+        // is judged.
+        probe: Duration::from_millis(250),
+    };
+    let filling_a_while = |copy: &Arc<Fill>| {
+        while copy.filling_for() < Duration::from_secs(3) {
+            std::thread::sleep(Duration::from_millis(5));
+        }
+        assert!(!copy.past_half() && copy.complete().is_none());
+    };
+
+    // The rest let go as the open begins to wait (the engine's work no longer ahead of
+    // the decode): waited for, and handed to the kernel.
+    // Under half: 9 chunks of 20 get past the gate.
+    let (copy, gate) = gated_fill(Duration::from_millis(1), 9, Duration::ZERO);
+    let Ahead::Started(copy) = t.decode_ahead(3, 0, || Some(copy)) else {
+        panic!("not decoded ahead");
+    };
+    filling_a_while(&copy);
+    let opening = Arc::new(AtomicBool::new(false));
+    let releaser = {
+        let (opening, gate) = (opening.clone(), gate.clone());
+        std::thread::spawn(move || {
+            while !opening.load(Ordering::SeqCst) {
+                std::thread::sleep(Duration::from_millis(1));
+            }
+            std::thread::sleep(Duration::from_millis(10));
+            gate.store(true, Ordering::SeqCst);
+        })
+    };
+    opening.store(true, Ordering::SeqCst);
+    let started = Instant::now();
+    let first = t.open_copy(3, &policy, || panic!("decoded twice"), backed(&live));
+    releaser.join().unwrap();
+    assert!(
+        matches!(first, Opened::Passthrough { .. }),
+        "through FUSE after {:?}, {} bytes left",
+        started.elapsed(),
+        copy.left_bytes()
+    );
+    t.release(first.fh());
+
+    // Let go at a pace that cannot end it in as long again (11 chunks at 0.5 s each):
+    // given up once the pace is known, not after as long again.
+    let (copy, gate) = gated_fill(Duration::from_millis(1), 9, Duration::from_millis(500));
+    let Ahead::Started(copy) = t.decode_ahead(4, 1, || Some(copy)) else {
+        panic!("not decoded ahead");
+    };
+    filling_a_while(&copy);
+    gate.store(true, Ordering::SeqCst);
+    let started = Instant::now();
+    let second = t.open_copy(4, &policy, || panic!("decoded twice"), backed(&live));
+    let waited = started.elapsed();
+    assert!(matches!(second, Opened::Fuse { fill: Some(_), .. }));
+    assert!(
+        waited >= policy.probe && waited < Duration::from_millis(2700),
+        "{waited:?}"
+    );
+    t.release(second.fh());
+}
+
 /// While the file's hash runs nothing of its copy is served, so an open waits for the
 /// verdict, however far the copy is from done, and is then handed the copy (decoded
 /// whole by the verdict here); a second open meanwhile waits as well and shares it.
@@ -459,6 +545,7 @@ fn an_open_waits_for_the_verdict_and_gets_the_copy() {
         wait: Duration::from_millis(10),
         near: NEAR_DONE,
         past_half: Duration::from_millis(10),
+        probe: Duration::from_millis(10),
     };
     let len = 20 * CHUNK;
     let made = Arc::new(AtomicU64::new(0));
