@@ -484,9 +484,9 @@ fn an_open_waits_for_a_copy_filling_a_while_if_its_pace_ends_it_in_time() {
         assert!(!copy.past_half() && copy.complete().is_none());
     };
 
-    // The rest let go as the open begins to wait (the engine's work no longer ahead of
-    // the decode): waited for, and handed to the kernel.
-    // Under half: 9 chunks of 20 get past the gate.
+    // Under half (9 chunks of 20 get past the gate), the rest let go as the open begins
+    // to wait (the engine's work no longer ahead of the decode): waited for, and handed
+    // to the kernel.
     let (copy, gate) = gated_fill(Duration::from_millis(1), 9, Duration::ZERO);
     let Ahead::Started(copy) = t.decode_ahead(3, 0, || Some(copy)) else {
         panic!("not decoded ahead");
