@@ -274,11 +274,13 @@ impl<B> OpenTable<B> {
             // through FUSE now would wait for it as long, then read the whole file through
             // the daemon; waiting here gets the copy to the kernel instead.
             Some(LongWait::Verdict)
-        } else if fill.left_bytes() > policy.near && fill.past_half() {
+        } else if fill.past_half() {
             // At the pace so far the rest takes less than what is done took (less still
             // once the open urges it), and a reader of the whole file through FUSE would
             // wait for those chunks anyway, then read them at the daemon's pace rather than
-            // memory's.
+            // memory's. So even with a chunk or two left (`policy.near`): the chunk in
+            // flight may be one the background policy held back for longer than
+            // `policy.wait`.
             Some(LongWait::Copy(policy.past_half))
         } else if fill.left_bytes() > policy.near {
             // Decode ahead's copy of a file an engine reaches while it is still under way
