@@ -318,17 +318,8 @@ impl Fill {
     /// Wait up to `timeout` for the fill to end, raising it to demand priority; the sealed
     /// file if it completed.
     pub fn wait_complete(&self, timeout: Duration) -> Option<Arc<MemoryFile>> {
-        let deadline = Instant::now() + timeout;
-        let mut s = self.inner.state.lock();
-        if s.progress == Progress::Filling {
-            self.inner.urge(&mut s);
-        }
-        while s.progress == Progress::Filling && !s.cancelled {
-            if self.inner.changed.wait_until(&mut s, deadline).timed_out() {
-                break;
-            }
-        }
-        s.complete.clone()
+        // A pace never judged: the whole of `timeout`.
+        self.wait_complete_on_pace(timeout, Duration::MAX)
     }
 
     /// How long the fill has been running (ahead of any open, or for one).
@@ -336,8 +327,9 @@ impl Fill {
         self.inner.started.elapsed()
     }
 
-    /// [`Fill::wait_complete`], but given up as soon as the fill's pace cannot end it
-    /// within `timeout`. The pace is taken from the first chunk to end in the wait on (the
+    /// Wait up to `timeout` for the fill to end, raising it to demand priority; the sealed
+    /// file if it completed. Given up as soon as the fill's pace cannot end it within
+    /// `timeout` ([`Duration::MAX`] for `probe`: never). The pace is taken from the first chunk to end in the wait on (the
     /// chunks in flight when it began may have been held back by the background policy,
     /// and the first to end says nothing of the urged pace), and judged from `probe` into
     /// the wait, once two more have ended: an open then goes on through FUSE instead of
