@@ -365,20 +365,18 @@ fn an_open_waits_only_for_a_copy_nearly_done() {
 }
 
 /// A fill of 20 chunks whose first `through` take `early` each and whose rest wait until
-/// the returned gate is opened (set), then take `late` each, one at a time (whatever the
-/// cores): still filling, that far, for as long as a test needs.
-fn gated_fill(early: Duration, through: u64, late: Duration) -> (Arc<Fill>, Arc<AtomicBool>) {
-    let gate = Arc::new(AtomicBool::new(false));
-    let open = gate.clone();
+/// the returned gate opens, then take `late` each, one at a time (whatever the cores):
+/// still filling, that far, for as long as a test needs.
+fn gated_fill(early: Duration, through: u64, late: Duration) -> (Arc<Fill>, Gate) {
+    let gate = Gate::new();
+    let shut = gate.clone();
     let one_at_a_time = Arc::new(parking_lot::Mutex::new(()));
     let pace = move |off| {
         if off < through * CHUNK {
             std::thread::sleep(early);
             return;
         }
-        while !open.load(Ordering::SeqCst) {
-            std::thread::sleep(Duration::from_millis(1));
-        }
+        shut.wait();
         let _turn = one_at_a_time.lock();
         std::thread::sleep(late);
     };
@@ -386,8 +384,18 @@ fn gated_fill(early: Duration, through: u64, late: Duration) -> (Arc<Fill>, Arc<
 }
 
 /// Past half (15 chunks of 20) and still filling until the gate opens.
-fn held_fill(early: Duration) -> (Arc<Fill>, Arc<AtomicBool>) {
+fn held_fill(early: Duration) -> (Arc<Fill>, Gate) {
     gated_fill(early, 15, Duration::ZERO)
+}
+
+/// Open `gate` `after` from now, on a thread of its own: started just before an open, the
+/// rest of a gated fill is let go once the open has begun to wait for it.
+fn open_after(gate: &Gate, after: Duration) -> std::thread::JoinHandle<()> {
+    let gate = gate.clone();
+    std::thread::spawn(move || {
+        std::thread::sleep(after);
+        gate.open();
+    })
 }
 
 /// A copy just begun is not waited for (a fresh mount's first byte), one past half is
@@ -425,18 +433,7 @@ fn an_open_waits_for_a_copy_past_half_not_one_just_begun() {
     }
     assert!(copy.complete().is_none());
     // The rest let go shortly after the open has begun waiting for it.
-    let opening = Arc::new(AtomicBool::new(false));
-    let releaser = {
-        let (opening, gate) = (opening.clone(), gate.clone());
-        std::thread::spawn(move || {
-            while !opening.load(Ordering::SeqCst) {
-                std::thread::sleep(Duration::from_millis(1));
-            }
-            std::thread::sleep(Duration::from_millis(100));
-            gate.store(true, Ordering::SeqCst);
-        })
-    };
-    opening.store(true, Ordering::SeqCst);
+    let releaser = open_after(&gate, Duration::from_millis(100));
     let second = t.open_copy(3, &policy, || panic!("decoded twice"), backed(&live));
     assert!(matches!(second, Opened::Passthrough { .. }));
     releaser.join().unwrap();
@@ -459,7 +456,7 @@ fn an_open_waits_for_a_copy_past_half_not_one_just_begun() {
         waited >= Duration::from_millis(200) && waited < Duration::from_secs(5),
         "{waited:?}"
     );
-    gate.store(true, Ordering::SeqCst);
+    gate.open();
     copy.wait_done();
     assert!(copy.complete().is_some());
     t.release(third.fh());
@@ -470,13 +467,7 @@ fn an_open_waits_for_a_copy_past_half_not_one_just_begun() {
     while copy.left_bytes() > CHUNK {
         std::thread::sleep(Duration::from_millis(2));
     }
-    let releaser = {
-        let gate = gate.clone();
-        std::thread::spawn(move || {
-            std::thread::sleep(Duration::from_millis(100));
-            gate.store(true, Ordering::SeqCst);
-        })
-    };
+    let releaser = open_after(&gate, Duration::from_millis(100));
     let patient = OpenPolicy {
         past_half: Duration::from_secs(30),
         ..policy
@@ -517,18 +508,7 @@ fn an_open_waits_for_a_copy_filling_a_while_if_its_pace_ends_it_in_time() {
         panic!("not decoded ahead");
     };
     filling_a_while(&copy);
-    let opening = Arc::new(AtomicBool::new(false));
-    let releaser = {
-        let (opening, gate) = (opening.clone(), gate.clone());
-        std::thread::spawn(move || {
-            while !opening.load(Ordering::SeqCst) {
-                std::thread::sleep(Duration::from_millis(1));
-            }
-            std::thread::sleep(Duration::from_millis(10));
-            gate.store(true, Ordering::SeqCst);
-        })
-    };
-    opening.store(true, Ordering::SeqCst);
+    let releaser = open_after(&gate, Duration::from_millis(10));
     let started = Instant::now();
     let first = t.open_copy(3, &policy, || panic!("decoded twice"), backed(&live));
     releaser.join().unwrap();
@@ -547,7 +527,7 @@ fn an_open_waits_for_a_copy_filling_a_while_if_its_pace_ends_it_in_time() {
         panic!("not decoded ahead");
     };
     filling_a_while(&copy);
-    gate.store(true, Ordering::SeqCst);
+    gate.open();
     let started = Instant::now();
     let second = t.open_copy(4, &policy, || panic!("decoded twice"), backed(&live));
     let waited = started.elapsed();
